@@ -1,0 +1,38 @@
+"""autockpt: automatic, exact activation checkpointing for PyTorch models.
+
+Example:
+    >>> import autockpt, torch
+    >>> model = autockpt.auto_checkpoint(autockpt.models.NiN(10))
+    >>> print(autockpt.make_plan(model).strategy)
+    sqrt
+"""
+
+from autockpt import models
+from autockpt.apply import auto_checkpoint, make_plan, restore
+from autockpt.errors import AutockptError, PlanInfeasibleError
+from autockpt.memory import MemoryStats, track_memory
+from autockpt.plan import Plan, Segment
+from autockpt.planners import PlanRequest, available_planners, register_planner
+from autockpt.runtime import is_recomputing
+from autockpt.verification import VerifyReport, verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutockptError",
+    "MemoryStats",
+    "Plan",
+    "PlanInfeasibleError",
+    "PlanRequest",
+    "Segment",
+    "VerifyReport",
+    "auto_checkpoint",
+    "available_planners",
+    "is_recomputing",
+    "make_plan",
+    "models",
+    "register_planner",
+    "restore",
+    "track_memory",
+    "verify",
+]

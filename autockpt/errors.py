@@ -1,0 +1,18 @@
+"""The exception family raised by autockpt.
+
+Every error autockpt raises on purpose is an :class:`AutockptError` (or a plain
+``TypeError``/``ValueError`` for an argument of the wrong type or value), so callers can
+catch the whole family with one ``except``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["AutockptError", "PlanInfeasibleError"]
+
+
+class AutockptError(RuntimeError):
+    """Base class of the errors autockpt raises on purpose."""
+
+
+class PlanInfeasibleError(AutockptError):
+    """No plan satisfies the request (for example a memory budget below the minimum)."""

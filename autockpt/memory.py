@@ -1,0 +1,246 @@
+"""Honest peak-memory measurement on CPU and CUDA.
+
+Two figures, because they answer different questions:
+
+* **Allocator level** (``peak_bytes``, the figure quoted to users): every allocation the
+  process makes for the device during the block, op-internal workspaces included. On CUDA
+  this is the caching allocator's ``max_memory_allocated``; on CPU it comes from the
+  profiler's memory events, the only place that sees, for example, the ~175 MiB of
+  oneDNN reorder buffers inside a convolution backward.
+* **Tensor level** (``tensor_peak_bytes``): the storages of tensors created by aten ops
+  during the block, counted while they are alive (a ``TorchDispatchMode`` with weak
+  references on storages). This is what a planner reasons about, but it misses workspaces
+  and cannot see into compiled code.
+
+Both count bytes allocated *inside* the block above what was live at entry: parameters,
+inputs and anything created before are not included. Python-level tools such as
+``tracemalloc`` see none of this and must not be used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from autockpt.errors import AutockptError
+from autockpt.plan import format_bytes
+
+__all__ = ["MemoryStats", "track_memory"]
+
+
+@dataclass
+class MemoryStats:
+    """What :func:`track_memory` measured; filled in when the block exits.
+
+    Attributes:
+        device: the device measured.
+        peak_bytes: allocator-level peak above the level at entry.
+        allocated_bytes: allocator-level bytes still allocated at exit, above entry.
+        tensor_peak_bytes: tensor-level peak (storages created in the block and alive).
+        tensor_live_bytes: tensor-level bytes still alive at exit.
+        tensor_peak_op: the aten op after which the tensor-level peak was reached.
+    """
+
+    device: torch.device
+    peak_bytes: int = 0
+    allocated_bytes: int = 0
+    tensor_peak_bytes: int = 0
+    tensor_live_bytes: int = 0
+    tensor_peak_op: str = ""
+    _tensor_level: bool = field(default=True, repr=False)
+    _allocator_level: bool = field(default=True, repr=False)
+
+    def __str__(self) -> str:
+        parts = [f"device={self.device}"]
+        if self._allocator_level:
+            parts.append(f"peak={format_bytes(self.peak_bytes)} (allocator)")
+        if self._tensor_level:
+            parts.append(f"tensor peak={format_bytes(self.tensor_peak_bytes)}")
+        return "MemoryStats(" + ", ".join(parts) + ")"
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Counts bytes of storages created by ops on one device type while they live."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.live = 0
+        self.peak = 0
+        self.peak_op = ""
+        self._refs: dict[int, weakref.ref[Any]] = {}
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._refs.pop(key, None)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            st = t.untyped_storage()
+            key = id(st)
+            ref = self._refs.get(key)
+            if ref is not None and ref() is st:
+                continue
+            nbytes = st.nbytes()
+            self._refs[key] = weakref.ref(st, lambda _r, k=key, n=nbytes: self._release(k, n))
+            self.live += nbytes
+            if self.live > self.peak:
+                self.peak = self.live
+                self.peak_op = str(func)
+        return out
+
+
+class _CpuAllocatorEvents:
+    """CPU allocations and frees, read from the profiler's memory events."""
+
+    def __init__(self) -> None:
+        if torch.autograd.profiler._is_profiler_enabled:
+            raise AutockptError(
+                "track_memory: a torch profiler (or another track_memory on CPU) is already "
+                "running, and CPU allocator events cannot be recorded twice. Pass "
+                "allocator=False to the inner track_memory."
+            )
+        from torch._C._profiler import ProfilerActivity
+
+        self._activities = {ProfilerActivity.CPU}
+        self._config = torch.profiler.profiler._ExperimentalConfig()
+
+    def start(self) -> None:
+        from torch._C import _autograd
+        from torch._C._profiler import ProfilerConfig, ProfilerState
+
+        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, self._config)
+        with _quiet_stderr():
+            _autograd._prepare_profiler(config, self._activities)
+            _autograd._enable_profiler(config, self._activities)
+
+    def stop(self) -> tuple[int, int]:
+        """Return (peak, net) CPU bytes allocated since :meth:`start`."""
+        from torch._C import _autograd
+
+        with _quiet_stderr():
+            result = _autograd._disable_profiler()
+        deltas = sorted(
+            (e.start_ns(), e.nbytes())
+            for e in result.events()
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        )
+        live = peak = 0
+        for _, nbytes in deltas:
+            live += nbytes
+            peak = max(peak, live)
+        return peak, live
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence the profiler back end's start/stop chatter on file descriptor 2."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), fd)
+    try:
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        if torch.cuda.is_initialized():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"track_memory: device={str(dev)!r} is not supported; use 'cpu' or 'cuda'.")
+    return dev
+
+
+class track_memory:  # noqa: N801  (a context manager used like a function, as torch's)
+    """Measure peak memory of the enclosed block, at allocator and tensor level.
+
+    Args:
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks the current CUDA
+            device if CUDA is initialised, else the CPU.
+        tensors: also count tensor storages (a dispatch mode; slows eager code, and
+            torch.compile does not compile under it).
+        allocator: also record the allocator level (on CPU through the profiler's memory
+            events, so it cannot nest inside another profiler).
+
+    Yields:
+        a :class:`MemoryStats`, filled in when the block exits.
+
+    Example:
+        >>> import autockpt, torch
+        >>> with autockpt.track_memory("cpu") as mem:
+        ...     x = torch.ones(1024, 1024)
+        >>> mem.peak_bytes >= 4 * 2**20 and mem.tensor_peak_bytes == 4 * 2**20
+        True
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        *,
+        tensors: bool = True,
+        allocator: bool = True,
+    ) -> None:
+        self.stats = MemoryStats(_resolve_device(device), _tensor_level=tensors, _allocator_level=allocator)
+        self._tracker: _StorageTracker | None = None
+        self._cpu: _CpuAllocatorEvents | None = None
+        self._cuda_base = 0
+
+    def __enter__(self) -> MemoryStats:
+        dev = self.stats.device
+        if self.stats._allocator_level:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+                self._cuda_base = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            else:
+                self._cpu = _CpuAllocatorEvents()
+                self._cpu.start()
+        if self.stats._tensor_level:
+            self._tracker = _StorageTracker(dev.type)
+            self._tracker.__enter__()
+        return self.stats
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stats = self.stats
+        if self._tracker is not None:
+            self._tracker.__exit__(exc_type, exc, tb)
+            stats.tensor_peak_bytes = self._tracker.peak
+            stats.tensor_live_bytes = self._tracker.live
+            stats.tensor_peak_op = self._tracker.peak_op
+        if self._cpu is not None:
+            stats.peak_bytes, stats.allocated_bytes = self._cpu.stop()
+        elif stats._allocator_level:
+            torch.cuda.synchronize(stats.device)
+            stats.peak_bytes = torch.cuda.max_memory_allocated(stats.device) - self._cuda_base
+            stats.allocated_bytes = torch.cuda.memory_allocated(stats.device) - self._cuda_base

@@ -1,0 +1,249 @@
+"""Plans: which stages of a chain run in which checkpointed segments.
+
+A :class:`Plan` is a pure description. It knows nothing of torch and can be printed,
+compared, stored as JSON and applied later to a model with the same stages.
+
+NOTE [Which segments are recomputed]
+    A plan cuts the chain into consecutive segments. A checkpointed segment keeps only its
+    input during the forward pass and runs its forward again in backward. The last
+    segment is normally *not* checkpointed: backward starts with it, so its activations
+    would be recomputed right away and the peak would not drop, while the recompute would
+    still cost time. This is why ``segments=1`` means "one plain segment" and lowers
+    nothing (autockpt warns), unlike ``checkpoint_sequential(..., segments=1)`` which
+    silently does nothing either.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Plan", "Segment"]
+
+_JSON_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Stages ``start`` to ``stop - 1`` of a chain, run as one unit.
+
+    Args:
+        start: index of the first stage.
+        stop: one past the last stage.
+        checkpoint: whether the segment's activations are dropped after the forward pass
+            and recomputed in backward.
+        children: optional sub-segments covering ``[start, stop)`` exactly; a checkpointed
+            segment with checkpointed children is recomputed in nested fashion.
+    """
+
+    start: int
+    stop: int
+    checkpoint: bool
+    children: tuple[Segment, ...] = ()
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        """This segment as plain JSON-ready data."""
+        out: dict[str, Any] = {"start": self.start, "stop": self.stop, "checkpoint": self.checkpoint}
+        if self.children:
+            out["children"] = [c.to_dict() for c in self.children]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Segment:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            start=int(data["start"]),
+            stop=int(data["stop"]),
+            checkpoint=bool(data["checkpoint"]),
+            children=tuple(cls.from_dict(c) for c in data.get("children", ())),
+        )
+
+
+def validate_segments(segments: Sequence[Segment], start: int, stop: int, *, where: str) -> None:
+    """Raise ``ValueError`` unless ``segments`` tile ``[start, stop)`` in order.
+
+    Args:
+        segments: the segments to check (recursively, children included).
+        start: first stage index the segments must cover.
+        stop: one past the last stage index.
+        where: API name used as the message prefix.
+    """
+    pos = start
+    for seg in segments:
+        if not isinstance(seg, Segment):
+            raise TypeError(f"{where}: expected Segment objects, got {type(seg).__name__}: {seg!r}.")
+        if seg.start != pos or seg.stop <= seg.start:
+            raise ValueError(
+                f"{where}: segments must be non-empty, ordered and contiguous over stages "
+                f"{start}..{stop - 1}; got {seg} after stage {pos - 1}."
+            )
+        if seg.children:
+            validate_segments(seg.children, seg.start, seg.stop, where=where)
+        pos = seg.stop
+    if pos != stop:
+        raise ValueError(
+            f"{where}: segments cover stages {start}..{pos - 1} but the chain has stages "
+            f"{start}..{stop - 1}; every stage must be in exactly one segment."
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model's chain of stages is checkpointed.
+
+    Attributes:
+        strategy: what produced the plan (``"sqrt"``, ``"4"``, ``"none"``, a planner name).
+        walker: which walker found the stages (``"sequential"``, ...).
+        stage_names: one name per stage; a fused stage joins its modules' names with ``+``.
+        stage_kinds: one short description per stage (module class names joined by ``+``).
+        segments: the top-level segments, tiling all stages in order.
+        predicted_peak_bytes: peak memory the planner predicted, when it had costs.
+        predicted_recompute_ms: recompute time the planner predicted, when it had costs.
+        notes: remarks for the reader (fused stages, fallbacks, warnings).
+
+    Example:
+        >>> plan = Plan("2", "sequential", ("0", "1", "2"), ("Linear", "Tanh", "Linear"),
+        ...             (Segment(0, 2, True), Segment(2, 3, False)))
+        >>> plan.recomputed_stages
+        2
+        >>> Plan.from_json(plan.to_json()) == plan
+        True
+    """
+
+    strategy: str
+    walker: str
+    stage_names: tuple[str, ...]
+    stage_kinds: tuple[str, ...]
+    segments: tuple[Segment, ...]
+    predicted_peak_bytes: int | None = None
+    predicted_recompute_ms: float | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if len(self.stage_kinds) != len(self.stage_names):
+            raise ValueError(
+                f"Plan: {len(self.stage_names)} stage names but {len(self.stage_kinds)} stage kinds."
+            )
+        validate_segments(self.segments, 0, len(self.stage_names), where="Plan")
+
+    @property
+    def n_stages(self) -> int:
+        """Number of stages in the chain."""
+        return len(self.stage_names)
+
+    @property
+    def checkpointed_segments(self) -> int:
+        """Number of top-level segments that are recomputed in backward."""
+        return sum(1 for s in self.segments if s.checkpoint)
+
+    @property
+    def recomputed_stages(self) -> int:
+        """Stage forwards run again in backward (a stage in nested checkpoints counts more than once)."""
+        return _recomputed(self.segments)
+
+    def apply(self, model: Any) -> Any:
+        """Checkpoint ``model`` in place with exactly this plan and return it.
+
+        Raises:
+            AutockptError: the model's stages differ from the plan's.
+        """
+        from autockpt.apply import apply_plan
+
+        return apply_plan(model, self)
+
+    def to_json(self) -> str:
+        """The plan as a JSON string; :meth:`from_json` reads it back."""
+        data = {
+            "autockpt_plan": _JSON_VERSION,
+            "strategy": self.strategy,
+            "walker": self.walker,
+            "stage_names": list(self.stage_names),
+            "stage_kinds": list(self.stage_kinds),
+            "segments": [s.to_dict() for s in self.segments],
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_recompute_ms": self.predicted_recompute_ms,
+            "notes": list(self.notes),
+        }
+        return json.dumps(data, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Read a plan written by :meth:`to_json`.
+
+        Raises:
+            ValueError: the text is not an autockpt plan of a known version.
+        """
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("autockpt_plan") != _JSON_VERSION:
+            raise ValueError(
+                f"Plan.from_json: not an autockpt plan of version {_JSON_VERSION} "
+                f"(missing or wrong 'autockpt_plan' key)."
+            )
+        return cls(
+            strategy=str(data["strategy"]),
+            walker=str(data["walker"]),
+            stage_names=tuple(data["stage_names"]),
+            stage_kinds=tuple(data["stage_kinds"]),
+            segments=tuple(Segment.from_dict(s) for s in data["segments"]),
+            predicted_peak_bytes=data.get("predicted_peak_bytes"),
+            predicted_recompute_ms=data.get("predicted_recompute_ms"),
+            notes=tuple(data.get("notes", ())),
+        )
+
+    def __str__(self) -> str:
+        head = (
+            f"autockpt plan: strategy={self.strategy!r}, walker={self.walker!r}, "
+            f"{self.n_stages} stages in {len(self.segments)} segments, "
+            f"{self.checkpointed_segments} checkpointed"
+        )
+        rows = [("segment", "stages", "recomputed", "modules")]
+        for i, seg in enumerate(self.segments):
+            rows.extend(_rows(self, seg, str(i), ""))
+        widths = [max(len(r[c]) for r in rows) for c in range(3)]
+        lines = [head]
+        for r in rows:
+            lines.append("  ".join(r[c].ljust(widths[c]) for c in range(3)) + "  " + r[3])
+        lines.append(
+            f"recomputed in backward: {self.recomputed_stages} of {self.n_stages} stage forwards "
+            f"(the last segment is not checkpointed: backward needs its activations at once)"
+        )
+        if self.predicted_peak_bytes is not None:
+            lines.append(f"predicted peak: {format_bytes(self.predicted_peak_bytes)}")
+        if self.predicted_recompute_ms is not None:
+            lines.append(f"predicted recompute time: {self.predicted_recompute_ms:.2f} ms per step")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _recomputed(segments: Sequence[Segment]) -> int:
+    total = 0
+    for seg in segments:
+        inner = _recomputed(seg.children) if seg.children else 0
+        total += (len(seg) if seg.checkpoint else 0) + inner
+    return total
+
+
+def _rows(plan: Plan, seg: Segment, label: str, indent: str) -> list[tuple[str, str, str, str]]:
+    stages = f"{seg.start}" if len(seg) == 1 else f"{seg.start}-{seg.stop - 1}"
+    mods = ", ".join(
+        f"{plan.stage_names[i]}:{plan.stage_kinds[i]}" for i in range(seg.start, seg.stop)
+    )
+    rows = [(indent + label, stages, "yes" if seg.checkpoint else "no", mods)]
+    for j, child in enumerate(seg.children):
+        rows.extend(_rows(plan, child, f"{label}.{j}", indent + "  "))
+    return rows
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units, e.g. ``"1.50 MiB"``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

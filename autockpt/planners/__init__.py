@@ -1,0 +1,22 @@
+"""Planners: pure, torch-free functions from a chain description to segments."""
+
+from autockpt.planners import basic as _basic  # noqa: F401  (registers the built-ins)
+from autockpt.planners.registry import (
+    PlanRequest,
+    Planner,
+    available_planners,
+    get_planner,
+    register_planner,
+    run_planner,
+    segments_from_sizes,
+)
+
+__all__ = [
+    "PlanRequest",
+    "Planner",
+    "available_planners",
+    "get_planner",
+    "register_planner",
+    "run_planner",
+    "segments_from_sizes",
+]

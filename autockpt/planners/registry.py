@@ -1,0 +1,143 @@
+"""The planner registry: named strategies that turn a chain into segments.
+
+A planner is a pure function ``fn(request) -> segments``: it takes a
+:class:`PlanRequest` (how many stages, their names, costs when profiled) and returns
+either a sequence of :class:`~autockpt.plan.Segment` or a sequence of segment sizes
+(ints summing to the number of stages; every segment but the last is checkpointed).
+Planners never import torch, so they stay fast to property-test.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from autockpt.plan import Segment, validate_segments
+
+__all__ = [
+    "PlanRequest",
+    "Planner",
+    "available_planners",
+    "get_planner",
+    "register_planner",
+    "segments_from_sizes",
+]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a planner is asked to plan.
+
+    Attributes:
+        stage_names: one name per stage of the chain, in order.
+    """
+
+    stage_names: tuple[str, ...]
+
+    @property
+    def n_stages(self) -> int:
+        """Number of stages in the chain."""
+        return len(self.stage_names)
+
+
+Planner = Callable[[PlanRequest], Sequence[Segment] | Sequence[int]]
+
+_PLANNERS: dict[str, Planner] = {}
+
+
+def _normalize(name: str) -> str:
+    return name.strip().lower()
+
+
+def register_planner(name: str, fn: Planner, *, overwrite: bool = False) -> None:
+    """Make ``fn`` available as ``auto_checkpoint(model, segments=name)``.
+
+    Args:
+        name: the strategy name; compared case-insensitively.
+        fn: ``fn(request: PlanRequest) -> Sequence[Segment] | Sequence[int]``.
+        overwrite: replace an existing planner of the same name instead of raising.
+
+    Raises:
+        ValueError: the name is taken (and ``overwrite`` is false) or is empty.
+        TypeError: ``fn`` is not callable.
+
+    Example:
+        >>> import autockpt
+        >>> autockpt.register_planner("halves", lambda req: [req.n_stages // 2,
+        ...                           req.n_stages - req.n_stages // 2], overwrite=True)
+        >>> "halves" in autockpt.available_planners()
+        True
+    """
+    if not isinstance(name, str) or not _normalize(name):
+        raise ValueError(f"register_planner: name must be a non-empty string, got {name!r}.")
+    if not callable(fn):
+        raise TypeError(f"register_planner: fn must be callable, got {type(fn).__name__}.")
+    key = _normalize(name)
+    if key in _PLANNERS and not overwrite:
+        raise ValueError(
+            f"register_planner: a planner named {key!r} exists already. "
+            f"Pass overwrite=True to replace it."
+        )
+    _PLANNERS[key] = fn
+
+
+def available_planners() -> tuple[str, ...]:
+    """Names accepted as ``segments=`` strings, sorted."""
+    return tuple(sorted(_PLANNERS))
+
+
+def get_planner(name: str, *, where: str) -> Planner:
+    """The planner registered under ``name``.
+
+    Raises:
+        ValueError: no such planner; the message lists the registered names.
+    """
+    key = _normalize(name)
+    try:
+        return _PLANNERS[key]
+    except KeyError:
+        names = available_planners()
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"{where}: unknown segments strategy {name!r}.{hint} Use an int (number of "
+            f"segments), a callable, or one of: {', '.join(repr(n) for n in names)}."
+        ) from None
+
+
+def segments_from_sizes(sizes: Sequence[int], n_stages: int, *, where: str) -> tuple[Segment, ...]:
+    """Consecutive segments of the given sizes; all but the last are checkpointed.
+
+    Raises:
+        ValueError: a size is not a positive int or the sizes do not sum to ``n_stages``.
+    """
+    out = []
+    start = 0
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{where}: segment sizes must be positive ints, got {list(sizes)!r}.")
+        out.append(Segment(start, start + size, checkpoint=True))
+        start += size
+    if start != n_stages:
+        raise ValueError(
+            f"{where}: segment sizes {list(sizes)!r} sum to {start}, but the chain has "
+            f"{n_stages} stages."
+        )
+    if out:
+        out[-1] = Segment(out[-1].start, out[-1].stop, checkpoint=False)
+    return tuple(out)
+
+
+def run_planner(fn: Planner, request: PlanRequest, *, where: str) -> tuple[Segment, ...]:
+    """Call a planner and check that its answer tiles the chain."""
+    result = list(fn(request))
+    if result and all(isinstance(r, Segment) for r in result):
+        segments = tuple(result)  # type: ignore[arg-type]
+        validate_segments(segments, 0, request.n_stages, where=where)
+        return segments
+    if all(isinstance(r, int) and not isinstance(r, bool) for r in result):
+        return segments_from_sizes(result, request.n_stages, where=where)  # type: ignore[arg-type]
+    raise TypeError(
+        f"{where}: a planner must return Segments or segment sizes (ints), got {result!r}."
+    )

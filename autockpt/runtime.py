@@ -1,0 +1,216 @@
+"""Running a planned chain: checkpointed segments, exact buffers, the recompute flag.
+
+NOTE [Buffers change once per forward]
+    ``torch.utils.checkpoint`` replays a segment's forward in backward, so a BatchNorm in
+    training mode updates its running statistics twice per step. We keep, for every
+    checkpointed segment call, the buffers its forward changed *as they were before that
+    forward* (a clone for in-place updates, the old object for reassigned buffers). The
+    recompute runs against private copies of those old values (so it sees exactly what the
+    original forward saw) and the live buffers are put back afterwards, so the user
+    observes one update per forward. Which buffers a segment changes in place is learned
+    from version counters on its first forward; until then all its buffers are cloned.
+
+NOTE [Recompute detection]
+    A checkpointed function is called once in the forward pass and again for every
+    recompute. ``_SegmentCall`` counts its calls instead of using ``context_fn``, which
+    keeps it plain Python that torch.compile can trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autockpt.plan import Segment
+from autockpt.walk import Stage
+
+__all__ = ["SegmentRuntime", "build_runtime", "is_recomputing", "recomputing", "run_segments"]
+
+logger = logging.getLogger(__name__)
+
+_local = threading.local()
+
+
+def is_recomputing() -> bool:
+    """Whether the current thread is inside a forward that autockpt runs a second time.
+
+    That is a recompute in backward, or the one-time dry run that looks for in-place
+    modules. Hooks and stateful code use it to act once per step.
+
+    Example:
+        >>> import autockpt, torch
+        >>> calls = []
+        >>> def hook(module, args, out):
+        ...     if not autockpt.is_recomputing():
+        ...         calls.append(1)
+        >>> autockpt.is_recomputing()
+        False
+    """
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Mark the block as a second run of a forward for :func:`is_recomputing`."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+BufferSlot = tuple[nn.Module, str]
+
+
+def segment_buffers(stages: Sequence[Stage]) -> tuple[BufferSlot, ...]:
+    """Every (module, buffer name) slot reachable from the stages, each once."""
+    seen: set[tuple[int, str]] = set()
+    out: list[BufferSlot] = []
+    for stage in stages:
+        for unit in stage.units:
+            for module in unit.module.modules():
+                for name in module._buffers:
+                    key = (id(module), name)
+                    if key not in seen:
+                        seen.add(key)
+                        out.append((module, name))
+    return tuple(out)
+
+
+@dataclass(eq=False)
+class SegmentRuntime:
+    """A plan segment bound to its stages and buffers, plus what we learned about them."""
+
+    segment: Segment
+    stages: tuple[Stage, ...]
+    buffers: tuple[BufferSlot, ...]
+    children: tuple[SegmentRuntime, ...] = ()
+    inplace_buffers: set[int] | None = None  # None: not observed yet, clone all
+    warned: bool = field(default=False)
+
+
+def build_runtime(segments: Sequence[Segment], stages: Sequence[Stage]) -> tuple[SegmentRuntime, ...]:
+    """Bind plan segments to the chain's stages."""
+    out = []
+    for seg in segments:
+        own = tuple(stages[seg.start : seg.stop])
+        out.append(
+            SegmentRuntime(
+                segment=seg,
+                stages=own,
+                buffers=segment_buffers(own) if seg.checkpoint else (),
+                children=build_runtime(seg.children, stages),
+            )
+        )
+    return tuple(out)
+
+
+def run_segments(runtimes: Sequence[SegmentRuntime], x: Any) -> Any:
+    """Run the segments in order, checkpointing those the plan marks."""
+    for rt in runtimes:
+        if rt.segment.checkpoint:
+            leaves, spec = tree_flatten(x)
+            call = _SegmentCall(rt, spec)
+            x = torch.utils.checkpoint.checkpoint(call, *leaves, use_reentrant=False)
+        else:
+            x = _run_body(rt, x)
+    return x
+
+
+def _run_body(rt: SegmentRuntime, x: Any) -> Any:
+    if rt.children:
+        return run_segments(rt.children, x)
+    for stage in rt.stages:
+        x = stage(x)
+    return x
+
+
+class _SegmentCall:
+    """The function one checkpoint call runs: forward first, recomputes after."""
+
+    def __init__(self, rt: SegmentRuntime, spec: Any) -> None:
+        self.rt = rt
+        self.spec = spec
+        self.old: dict[int, torch.Tensor | None] | None = None
+
+    def __call__(self, *leaves: Any) -> Any:
+        x = tree_unflatten(list(leaves), self.spec)
+        if self.old is None:
+            return self._forward(x)
+        return self._recompute(x)
+
+    def _forward(self, x: Any) -> Any:
+        rt = self.rt
+        before = [module._buffers.get(name) for module, name in rt.buffers]
+        versions = [t._version if t is not None else 0 for t in before]
+        clones = {
+            i: t.clone()
+            for i, t in enumerate(before)
+            if t is not None and (rt.inplace_buffers is None or i in rt.inplace_buffers)
+        }
+        out = _run_body(rt, x)
+        old: dict[int, torch.Tensor | None] = {}
+        learned: set[int] = set()
+        for i, ((module, name), t) in enumerate(zip(rt.buffers, before)):
+            now = module._buffers.get(name)
+            if now is not t:
+                old[i] = t
+            elif t is not None and t._version != versions[i]:
+                learned.add(i)
+                if i in clones:
+                    old[i] = clones[i]
+                elif not rt.warned:
+                    rt.warned = True
+                    logger.warning(
+                        "autockpt: buffer %r of %s changed in place for the first time in a later "
+                        "step; its recompute sees the updated value once.",
+                        name,
+                        type(module).__name__,
+                    )
+        rt.inplace_buffers = learned if rt.inplace_buffers is None else rt.inplace_buffers | learned
+        self.old = old
+        return out
+
+    def _recompute(self, x: Any) -> Any:
+        rt, old = self.rt, self.old
+        assert old is not None
+        live = {i: rt.buffers[i][0]._buffers.get(rt.buffers[i][1]) for i in old}
+        for i, t in old.items():
+            module, name = rt.buffers[i]
+            module._buffers[name] = t.clone() if t is not None else None
+        try:
+            with recomputing():
+                return _run_body(rt, x)
+        finally:
+            for i, t in live.items():
+                module, name = rt.buffers[i]
+                module._buffers[name] = t
+
+
+@contextlib.contextmanager
+def dry_run_state(model: nn.Module, x: Any) -> Iterator[None]:
+    """Run a block as an invisible extra forward: buffers, RNG and counters untouched.
+
+    Buffers are swapped for clones and put back, the RNG of the CPU and of every CUDA
+    device that ``x`` lives on is forked, and :func:`is_recomputing` is true inside.
+    """
+    slots = [(m, n, t) for m in model.modules() for n, t in m._buffers.items()]
+    devices = sorted(
+        {t.device.index or 0 for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor) and t.is_cuda}
+    )
+    for module, name, t in slots:
+        module._buffers[name] = t.clone() if t is not None else None
+    try:
+        with torch.random.fork_rng(devices=devices), recomputing():
+            yield
+    finally:
+        for module, name, t in slots:
+            module._buffers[name] = t

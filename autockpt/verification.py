@@ -1,0 +1,265 @@
+"""``verify``: does checkpointing change anything but memory?
+
+One training step of the unwrapped model and one of the checkpointed model, from the same
+weights, buffers, inputs and RNG state, compared output by output and gradient by
+gradient, with the peak memory of each step measured by :func:`track_memory`. The model
+is left exactly as it was: forward, buffers, ``.grad`` and RNG state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from autockpt.apply import SegmentsSpec, _as_args, _installed, auto_checkpoint
+from autockpt.memory import MemoryStats, track_memory
+from autockpt.plan import Plan, format_bytes
+
+__all__ = ["VerifyReport", "verify"]
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The outcome of :func:`verify`.
+
+    Attributes:
+        plan: the plan that was checked.
+        output_max_abs_diff: largest absolute difference over all output tensors.
+        input_grad_max_abs_diff: same for gradients of floating-point inputs.
+        param_grad_max_abs_diff: same over every parameter gradient.
+        buffer_max_abs_diff: same over every buffer after the step.
+        mismatches: names of tensors that differ beyond the tolerance (or exist in only
+            one run), e.g. ``"grad of 3.weight"``.
+        peak_bytes_unwrapped: allocator-level peak of the unwrapped step.
+        peak_bytes_checkpointed: allocator-level peak of the checkpointed step.
+        tensor_peak_bytes_unwrapped: tensor-level peak of the unwrapped step.
+        tensor_peak_bytes_checkpointed: tensor-level peak of the checkpointed step.
+        atol: absolute tolerance used.
+        rtol: relative tolerance used.
+    """
+
+    plan: Plan
+    output_max_abs_diff: float
+    input_grad_max_abs_diff: float
+    param_grad_max_abs_diff: float
+    buffer_max_abs_diff: float
+    mismatches: tuple[str, ...]
+    peak_bytes_unwrapped: int
+    peak_bytes_checkpointed: int
+    tensor_peak_bytes_unwrapped: int
+    tensor_peak_bytes_checkpointed: int
+    atol: float
+    rtol: float
+
+    @property
+    def ok(self) -> bool:
+        """Whether every output, gradient and buffer matched within the tolerance."""
+        return not self.mismatches
+
+    @property
+    def peak_ratio(self) -> float:
+        """Checkpointed over unwrapped allocator-level peak."""
+        return self.peak_bytes_checkpointed / max(1, self.peak_bytes_unwrapped)
+
+    def __str__(self) -> str:
+        verdict = "OK" if self.ok else f"MISMATCH in {len(self.mismatches)}: {', '.join(self.mismatches[:5])}"
+        tol = f"atol={self.atol:g}, rtol={self.rtol:g}"
+        return "\n".join(
+            [
+                f"autockpt verify: {verdict} ({tol}; plan {self.plan.strategy!r}, "
+                f"{self.plan.checkpointed_segments} of {len(self.plan.segments)} segments checkpointed)",
+                f"  max |diff|  outputs {self.output_max_abs_diff:.3g}, input grads "
+                f"{self.input_grad_max_abs_diff:.3g}, parameter grads {self.param_grad_max_abs_diff:.3g}, "
+                f"buffers {self.buffer_max_abs_diff:.3g}",
+                f"  peak (allocator)  unwrapped {format_bytes(self.peak_bytes_unwrapped)}, "
+                f"checkpointed {format_bytes(self.peak_bytes_checkpointed)} ({self.peak_ratio:.2f}x)",
+                f"  peak (tensors)    unwrapped {format_bytes(self.tensor_peak_bytes_unwrapped)}, "
+                f"checkpointed {format_bytes(self.tensor_peak_bytes_checkpointed)}",
+            ]
+        )
+
+
+@dataclass
+class _Step:
+    tensors: dict[str, torch.Tensor | None]
+    memory: MemoryStats
+
+
+def verify(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | torch.Tensor,
+    *,
+    segments: SegmentsSpec | None = None,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+) -> VerifyReport:
+    """Compare one training step of ``model`` with and without checkpointing.
+
+    The loss is a fixed random weighting of every floating-point output, so every output
+    element gets a gradient. Floating-point inputs are made to require gradients (on
+    copies) so that input gradients are compared too.
+
+    Args:
+        model: a model, checkpointed or not. It is left exactly as it was.
+        example_inputs: positional inputs for one forward pass.
+        segments: the plan to check, as for :func:`auto_checkpoint`; by default the
+            model's installed plan, or ``"sqrt"`` for a model that is not checkpointed.
+        atol: absolute tolerance (0: bitwise, as expected on CPU).
+        rtol: relative tolerance.
+
+    Returns:
+        a :class:`VerifyReport`; ``report.ok`` tells whether everything matched.
+
+    Example:
+        >>> import autockpt, torch
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)]).double()
+        >>> autockpt.verify(model, (torch.randn(2, 4, dtype=torch.float64),)).ok
+        True
+    """
+    args = _as_args(example_inputs)
+    installed = _installed(model)
+    spec: SegmentsSpec = segments if segments is not None else (installed.plan if installed else "sqrt")
+    device = _device_of(model, args)
+    with _preserved(model) as fresh:
+        _unwrap(model)
+        fresh()
+        _step(model, args, device)  # warm-up: lazy initialisation stays out of the figures
+        fresh()
+        reference = _step(model, args, device)
+        auto_checkpoint(model, spec, example_inputs=args)
+        installed_now = _installed(model)
+        assert installed_now is not None
+        plan = installed_now.plan
+        fresh()
+        checkpointed = _step(model, args, device)
+    return _compare(plan, reference, checkpointed, atol, rtol)
+
+
+def _device_of(model: nn.Module, args: Sequence[Any]) -> torch.device:
+    for t in (*model.parameters(), *tree_leaves(list(args))):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _unwrap(model: nn.Module) -> None:
+    fwd = _installed(model)
+    if fwd is not None:
+        del model.__dict__["forward"]
+        if fwd.original_forward is not None:
+            model.__dict__["forward"] = fwd.original_forward
+
+
+@contextlib.contextmanager
+def _preserved(model: nn.Module) -> Iterator[Any]:
+    """Keep forward, buffers, grads and RNG; yield a function that resets to the start."""
+    had_forward = "forward" in model.__dict__
+    forward = model.__dict__.get("forward")
+    slots = [(m, n, t) for m in model.modules() for n, t in m._buffers.items()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def fresh() -> None:
+        for module, name, t in slots:
+            module._buffers[name] = t.clone() if t is not None else None
+        for p, _ in grads:
+            p.grad = None
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+    try:
+        yield fresh
+    finally:
+        model.__dict__.pop("forward", None)
+        if had_forward:
+            model.__dict__["forward"] = forward
+        for module, name, t in slots:
+            module._buffers[name] = t
+        for p, g in grads:
+            p.grad = g
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _requires_grad_copy(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        y = x.detach().clone()
+        return y.requires_grad_(True) if y.is_floating_point() or y.is_complex() else y
+    return x
+
+
+def _step(model: nn.Module, args: Sequence[Any], device: torch.device) -> _Step:
+    inputs = [_requires_grad_copy(a) for a in args]
+    gen = torch.Generator().manual_seed(0)
+    with track_memory(device) as mem:
+        out = model(*inputs)
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        weights = [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in leaves]
+        loss = sum(((t * w).sum() for t, w in zip(leaves, weights)), torch.zeros((), device=device))
+        if loss.requires_grad:
+            loss.backward()
+    tensors: dict[str, torch.Tensor | None] = {}
+    for i, t in enumerate(tree_leaves(out)):
+        if isinstance(t, torch.Tensor):
+            tensors[f"output {i}"] = t.detach()
+    for i, x in enumerate(inputs):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            tensors[f"grad of input {i}"] = x.grad
+    for name, p in model.named_parameters():
+        tensors[f"grad of {name}"] = p.grad
+    for name, b in model.named_buffers():
+        tensors[f"buffer {name}"] = b.detach().clone()
+    return _Step(tensors, mem)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return float((a.double() - b.double()).abs().max()) if a.is_floating_point() else float(
+        (a.long() - b.long()).abs().max()
+    )
+
+
+def _compare(plan: Plan, ref: _Step, ckpt: _Step, atol: float, rtol: float) -> VerifyReport:
+    groups = {"output": 0.0, "grad of input": 0.0, "grad of": 0.0, "buffer": 0.0}
+    mismatches = []
+    for name in ref.tensors.keys() | ckpt.tensors.keys():
+        a, b = ckpt.tensors.get(name), ref.tensors.get(name)
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                mismatches.append(name)
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            mismatches.append(name)
+            continue
+        diff = _max_diff(a, b)
+        group = next(g for g in groups if name.startswith(g))
+        groups[group] = max(groups[group], diff)
+        close = torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol, equal_nan=True) if (
+            a.is_floating_point() or a.is_complex()
+        ) else torch.equal(a, b)
+        if not close:
+            mismatches.append(name)
+    return VerifyReport(
+        plan=plan,
+        output_max_abs_diff=groups["output"],
+        input_grad_max_abs_diff=groups["grad of input"],
+        param_grad_max_abs_diff=groups["grad of"],
+        buffer_max_abs_diff=groups["buffer"],
+        mismatches=tuple(sorted(mismatches)),
+        peak_bytes_unwrapped=ref.memory.peak_bytes,
+        peak_bytes_checkpointed=ckpt.memory.peak_bytes,
+        tensor_peak_bytes_unwrapped=ref.memory.tensor_peak_bytes,
+        tensor_peak_bytes_checkpointed=ckpt.memory.tensor_peak_bytes,
+        atol=atol,
+        rtol=rtol,
+    )
