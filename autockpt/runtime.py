@@ -19,10 +19,9 @@ NOTE [Recompute detection]
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,8 +32,6 @@ from autockpt.plan import Segment
 from autockpt.walk import Stage
 
 __all__ = ["SegmentRuntime", "build_runtime", "is_recomputing", "recomputing", "run_segments"]
-
-logger = logging.getLogger(__name__)
 
 _local = threading.local()
 
@@ -93,8 +90,6 @@ class SegmentRuntime:
     stages: tuple[Stage, ...]
     buffers: tuple[BufferSlot, ...]
     children: tuple[SegmentRuntime, ...] = ()
-    inplace_buffers: set[int] | None = None  # None: not observed yet, clone all
-    warned: bool = field(default=False)
 
 
 def build_runtime(segments: Sequence[Segment], stages: Sequence[Stage]) -> tuple[SegmentRuntime, ...]:
@@ -150,32 +145,15 @@ class _SegmentCall:
     def _forward(self, x: Any) -> Any:
         rt = self.rt
         before = [module._buffers.get(name) for module, name in rt.buffers]
-        versions = [t._version if t is not None else 0 for t in before]
-        clones = {
-            i: t.clone()
-            for i, t in enumerate(before)
-            if t is not None and (rt.inplace_buffers is None or i in rt.inplace_buffers)
-        }
+        clones = [t.clone() if t is not None else None for t in before]
         out = _run_body(rt, x)
         old: dict[int, torch.Tensor | None] = {}
-        learned: set[int] = set()
         for i, ((module, name), t) in enumerate(zip(rt.buffers, before)):
             now = module._buffers.get(name)
             if now is not t:
                 old[i] = t
-            elif t is not None and t._version != versions[i]:
-                learned.add(i)
-                if i in clones:
-                    old[i] = clones[i]
-                elif not rt.warned:
-                    rt.warned = True
-                    logger.warning(
-                        "autockpt: buffer %r of %s changed in place for the first time in a later "
-                        "step; its recompute sees the updated value once.",
-                        name,
-                        type(module).__name__,
-                    )
-        rt.inplace_buffers = learned if rt.inplace_buffers is None else rt.inplace_buffers | learned
+            elif t is not None and not torch.equal(t, clones[i]):
+                old[i] = clones[i]
         self.old = old
         return out
 

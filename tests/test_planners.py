@@ -1,0 +1,146 @@
+"""Planners are pure functions: generic tests over the whole registry, then specifics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import autockpt
+from autockpt.plan import Plan, Segment
+from autockpt.planners import PlanRequest, get_planner, run_planner
+from autockpt.planners.basic import balanced_sizes, sqrt_segment_count, uniform_plan
+
+
+def request(n: int) -> PlanRequest:
+    return PlanRequest(stage_names=tuple(str(i) for i in range(n)))
+
+
+@pytest.mark.parametrize("name", autockpt.available_planners())
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 16, 20])
+def test_every_planner_tiles_the_chain_and_is_deterministic(name: str, n: int) -> None:
+    fn = get_planner(name, where="test")
+    first = run_planner(fn, request(n), where="test")
+    assert first == run_planner(fn, request(n), where="test")
+    assert first[0].start == 0 and first[-1].stop == n
+    for a, b in zip(first, first[1:]):
+        assert a.stop == b.start
+    assert not first[-1].checkpoint, "the last segment buys nothing at the peak"
+
+
+@pytest.mark.parametrize("n", range(1, 21))
+def test_sqrt_uses_ceil_sqrt_balanced_segments(n: int) -> None:
+    segs = run_planner(get_planner("sqrt", where="t"), request(n), where="t")
+    assert len(segs) == math.ceil(math.sqrt(n)) == sqrt_segment_count(n)
+    sizes = [len(s) for s in segs]
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize("n", range(1, 21))
+def test_uniform_partition_is_ordered_complete_balanced_for_every_k(n: int) -> None:
+    for k in range(1, n + 1):
+        segs = uniform_plan(n, k)
+        assert len(segs) == k
+        assert [s.start for s in segs] == sorted(s.start for s in segs)
+        assert sum(len(s) for s in segs) == n
+        assert max(map(len, segs)) - min(map(len, segs)) <= 1
+        assert [s.checkpoint for s in segs] == [True] * (k - 1) + [False]
+
+
+@pytest.mark.parametrize(("n", "k"), [(5, 0), (5, 6), (0, 1), (3, -1)])
+def test_balanced_sizes_rejects_impossible_counts(n: int, k: int) -> None:
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        balanced_sizes(n, k)
+
+
+def test_none_planner_checkpoints_nothing() -> None:
+    assert run_planner(get_planner("none", where="t"), request(4), where="t") == (Segment(0, 4, False),)
+
+
+def test_custom_planner_may_return_sizes_or_segments() -> None:
+    assert run_planner(lambda r: [2, 1], request(3), where="t") == (Segment(0, 2, True), Segment(2, 3, False))
+    segs = (Segment(0, 1, False), Segment(1, 3, True))
+    assert run_planner(lambda r: segs, request(3), where="t") == segs
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        ([2, 2], "sum to 4, but the chain has 3"),
+        ([0, 3], "positive ints"),
+        ((Segment(0, 1, True), Segment(2, 3, False)), "contiguous"),
+        ((Segment(0, 2, True),), "every stage must be in exactly one segment"),
+        (["a"], "must return Segments or segment sizes"),
+    ],
+)
+def test_custom_planner_answers_are_validated(answer: object, message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        run_planner(lambda r: answer, request(3), where="t")  # type: ignore[arg-type, return-value]
+
+
+def test_register_planner_normalises_names_before_the_duplicate_check() -> None:
+    autockpt.register_planner("Test-Halves", lambda r: [r.n_stages // 2, r.n_stages - r.n_stages // 2],
+                              overwrite=True)
+    assert "test-halves" in autockpt.available_planners()
+    with pytest.raises(ValueError, match="exists already"):
+        autockpt.register_planner("TEST-HALVES ", lambda r: [r.n_stages])
+    with pytest.raises(TypeError, match="callable"):
+        autockpt.register_planner("bad", 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-empty"):
+        autockpt.register_planner(" ", lambda r: [r.n_stages])
+
+
+def test_unknown_planner_lists_the_registry_and_suggests() -> None:
+    with pytest.raises(ValueError) as err:
+        get_planner("sqr", where="auto_checkpoint")
+    text = str(err.value)
+    assert "'sqr'" in text and "Did you mean 'sqrt'?" in text
+    for name in autockpt.available_planners():
+        assert repr(name) in text
+
+
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=8), st.data())
+def test_plan_json_round_trip(sizes: list[int], data: st.DataObject) -> None:
+    n = sum(sizes)
+    segs = run_planner(lambda r: sizes, request(n), where="t")
+    plan = Plan(
+        strategy="custom",
+        walker="sequential",
+        stage_names=tuple(str(i) for i in range(n)),
+        stage_kinds=tuple(data.draw(st.sampled_from(["Linear", "Conv2d+ReLU"])) for _ in range(n)),
+        segments=segs,
+        predicted_peak_bytes=data.draw(st.none() | st.integers(0, 2**40)),
+        notes=("a note",),
+    )
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_nested_segments_round_trip_and_count_recompute() -> None:
+    inner = (Segment(0, 2, True), Segment(2, 4, False))
+    plan = Plan("nested", "sequential", tuple("abcde"), ("L",) * 5,
+                (Segment(0, 4, True, inner), Segment(4, 5, False)))
+    assert plan.recomputed_stages == 4 + 2
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "0.0" in str(plan)
+
+
+def test_plan_rejects_bad_segments_and_bad_json() -> None:
+    with pytest.raises(ValueError, match="contiguous"):
+        Plan("x", "sequential", ("a", "b"), ("L", "L"), (Segment(1, 2, False),))
+    with pytest.raises(ValueError, match="not an autockpt plan"):
+        Plan.from_json('{"strategy": "sqrt"}')
+
+
+def test_plan_table_names_every_stage_and_what_is_recomputed() -> None:
+    plan = Plan("2", "sequential", ("0+1", "2", "3"), ("Conv2d+ReLU", "Linear", "Tanh"),
+                (Segment(0, 2, True), Segment(2, 3, False)))
+    text = str(plan)
+    assert "strategy='2'" in text and "walker='sequential'" in text
+    assert "0+1:Conv2d+ReLU" in text and "3:Tanh" in text
+    lines = text.splitlines()
+    assert lines[2].split()[:3] == ["0", "0-1", "yes"]
+    assert lines[3].split()[:3] == ["1", "2", "no"]
+    assert "recomputed in backward: 2 of 3" in text
