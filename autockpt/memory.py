@@ -107,7 +107,7 @@ class _CpuAllocatorEvents:
     """CPU allocations and frees, read from the profiler's memory events."""
 
     def __init__(self) -> None:
-        if torch.autograd.profiler._is_profiler_enabled:
+        if torch._C._autograd._profiler_enabled():
             raise AutockptError(
                 "track_memory: a torch profiler (or another track_memory on CPU) is already "
                 "running, and CPU allocator events cannot be recorded twice. Pass "
@@ -148,13 +148,13 @@ class _CpuAllocatorEvents:
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
     """Silence the profiler back end's start/stop chatter on file descriptor 2."""
+    fd = 2  # the C++ side writes to the process's stderr, whatever sys.stderr is now
     try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
+        sys.stderr.flush()
+        saved = os.dup(fd)
+    except OSError:
         yield
         return
-    sys.stderr.flush()
-    saved = os.dup(fd)
     with open(os.devnull, "w") as null:
         os.dup2(null.fileno(), fd)
     try:

@@ -66,6 +66,42 @@ def recomputing() -> Iterator[None]:
 
 BufferSlot = tuple[nn.Module, str]
 
+# Stock torch.nn modules whose forward draws no random numbers. A checkpointed segment made
+# only of these (exact types, no hooks) skips torch's RNG stash: that saves a 5 KiB CPU RNG
+# state per segment, kept alive until the segment's backward, and the fork on recompute.
+# Anything else (Dropout, RReLU, custom modules) is assumed to use the RNG.
+_RNG_FREE: frozenset[type] = frozenset(
+    t
+    for name in (
+        "Linear Bilinear Identity Conv1d Conv2d Conv3d ConvTranspose1d ConvTranspose2d ConvTranspose3d "
+        "BatchNorm1d BatchNorm2d BatchNorm3d LayerNorm GroupNorm InstanceNorm1d InstanceNorm2d "
+        "InstanceNorm3d LocalResponseNorm RMSNorm ReLU ReLU6 LeakyReLU PReLU ELU SELU CELU GELU SiLU "
+        "Mish Sigmoid Tanh Hardtanh Hardswish Hardsigmoid Softplus Softmax LogSoftmax Softsign "
+        "Tanhshrink Threshold MaxPool1d MaxPool2d MaxPool3d AvgPool1d AvgPool2d AvgPool3d "
+        "AdaptiveAvgPool1d AdaptiveAvgPool2d AdaptiveAvgPool3d AdaptiveMaxPool1d AdaptiveMaxPool2d "
+        "AdaptiveMaxPool3d Flatten Unflatten Embedding ZeroPad2d ConstantPad1d ConstantPad2d "
+        "ConstantPad3d PixelShuffle PixelUnshuffle Sequential"
+    ).split()
+    if isinstance(t := getattr(nn, name, None), type)
+)
+
+
+def rng_free_modules(stages: Sequence[Stage]) -> tuple[nn.Module, ...] | None:
+    """The modules of ``stages`` if all are stock RNG-free types, else ``None``."""
+    mods = [m for stage in stages for unit in stage.units for m in unit.module.modules()]
+    if all(type(m) in _RNG_FREE and "forward" not in m.__dict__ for m in mods):
+        return tuple(mods)
+    return None
+
+
+def _may_use_rng(rt: SegmentRuntime) -> bool:
+    """Checked at every call, since hooks may be added after planning."""
+    if rt.rng_free is None:
+        return True
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in rt.rng_free)
+
 
 def segment_buffers(stages: Sequence[Stage]) -> tuple[BufferSlot, ...]:
     """Every (module, buffer name) slot reachable from the stages, each once."""
@@ -90,6 +126,7 @@ class SegmentRuntime:
     stages: tuple[Stage, ...]
     buffers: tuple[BufferSlot, ...]
     children: tuple[SegmentRuntime, ...] = ()
+    rng_free: tuple[nn.Module, ...] | None = None  # see _RNG_FREE
 
 
 def build_runtime(segments: Sequence[Segment], stages: Sequence[Stage]) -> tuple[SegmentRuntime, ...]:
@@ -103,6 +140,7 @@ def build_runtime(segments: Sequence[Segment], stages: Sequence[Stage]) -> tuple
                 stages=own,
                 buffers=segment_buffers(own) if seg.checkpoint else (),
                 children=build_runtime(seg.children, stages),
+                rng_free=rng_free_modules(own),
             )
         )
     return tuple(out)
@@ -114,7 +152,9 @@ def run_segments(runtimes: Sequence[SegmentRuntime], x: Any) -> Any:
         if rt.segment.checkpoint:
             leaves, spec = tree_flatten(x)
             call = _SegmentCall(rt, spec)
-            x = torch.utils.checkpoint.checkpoint(call, *leaves, use_reentrant=False)
+            x = torch.utils.checkpoint.checkpoint(
+                call, *leaves, use_reentrant=False, preserve_rng_state=_may_use_rng(rt)
+            )
         else:
             x = _run_body(rt, x)
     return x

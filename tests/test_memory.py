@@ -1,0 +1,154 @@
+"""Memory: the tracker is honest, and checkpointing lowers the peak where it should.
+
+All figures are bytes from ``autockpt.track_memory``; no test here looks at time.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import autockpt
+from autockpt.plan import format_bytes
+
+MiB = 2**20
+
+
+def test_tensor_level_counts_exact_storage_bytes() -> None:
+    with autockpt.track_memory("cpu") as mem:
+        a = torch.ones(256, 1024)  # 1 MiB
+        b = torch.ones(512, 1024)  # 2 MiB
+        del a
+        c = b.view(-1)  # a view allocates nothing
+        c.add_(1)  # in place allocates nothing
+    assert mem.tensor_peak_bytes == 3 * MiB
+    assert mem.tensor_live_bytes == 2 * MiB
+    assert mem.peak_bytes >= 3 * MiB and mem.allocated_bytes >= 2 * MiB
+    assert "aten.ones" in mem.tensor_peak_op
+    assert "allocator" in str(mem)
+
+
+def test_allocator_level_sees_workspaces_the_tensor_level_misses() -> None:
+    """oneDNN's convolution backward allocates buffers that no tensor owns."""
+    conv = nn.Conv2d(3, 64, 5, padding=2)
+    x = torch.randn(32, 3, 32, 32)
+    conv(x).sum().backward()  # warm-up
+    with autockpt.track_memory("cpu") as mem:
+        conv(x).sum().backward()
+    assert mem.peak_bytes > mem.tensor_peak_bytes
+
+
+def test_nested_cpu_allocator_tracking_is_refused_clearly() -> None:
+    with autockpt.track_memory("cpu"), pytest.raises(autockpt.AutockptError, match="allocator=False"):
+        with autockpt.track_memory("cpu"):
+            pass
+    with autockpt.track_memory("cpu") as outer, autockpt.track_memory("cpu", allocator=False) as inner:
+        torch.ones(1024)
+    assert inner.tensor_peak_bytes == outer.tensor_peak_bytes == 4096
+
+
+def test_bad_device() -> None:
+    with pytest.raises(ValueError, match="device='meta' is not supported"):
+        autockpt.track_memory("meta")
+
+
+def _train_step(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).square().mean().backward()
+
+
+def measure(model: nn.Module, x: torch.Tensor) -> autockpt.MemoryStats:
+    """Allocator and tensor peak of one training step, after a warm-up step."""
+    _train_step(model, x)
+    for p in model.parameters():
+        p.grad = None
+    with autockpt.track_memory("cpu") as mem:
+        _train_step(model, x)
+    for p in model.parameters():
+        p.grad = None
+    return mem
+
+
+def test_tensor_level_matches_torch_memtracker_on_nin() -> None:
+    """Cross-check with torch.distributed._tools.mem_tracker.MemTracker (within 5%)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = autockpt.models.NiN(10)
+    x = torch.randn(64, 3, 32, 32)
+    ours = measure(model, x).tensor_peak_bytes
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        _train_step(model, x)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    theirs = peak["Total"] - params  # MemTracker counts the parameters, we count new storages
+    assert abs(ours - theirs) <= 0.05 * theirs, (format_bytes(ours), format_bytes(theirs))
+
+
+def gelu_chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(128, 128), nn.GELU())])
+
+
+def test_sqrt_halves_the_peak_of_a_deep_chain() -> None:  # CORRECTNESS item 28
+    model = gelu_chain()
+    x = torch.randn(1024, 128)
+    plain = measure(model, x)
+    with autockpt.track_memory("cpu") as fwd_plain:
+        out = model(x)
+    del out
+    ck = autockpt.auto_checkpoint(copy.deepcopy(model), "sqrt", example_inputs=(x,))
+    sqrt = measure(ck, x)
+    with autockpt.track_memory("cpu") as fwd_sqrt:
+        out = ck(x)
+    del out
+    per_module = measure(autockpt.auto_checkpoint(copy.deepcopy(model), 32), x)
+    assert sqrt.peak_bytes <= 0.5 * plain.peak_bytes, (sqrt.peak_bytes, plain.peak_bytes)
+    assert fwd_sqrt.tensor_live_bytes <= 0.45 * fwd_plain.tensor_live_bytes
+    assert sqrt.peak_bytes <= per_module.peak_bytes
+
+
+def nin(fmt: torch.memory_format) -> tuple[nn.Module, Callable[[int], torch.Tensor]]:
+    torch.manual_seed(0)
+    model = autockpt.models.NiN(10).to(memory_format=fmt)
+    return model, lambda batch: torch.randn(batch, 3, 32, 32).to(memory_format=fmt)
+
+
+def test_nin_channels_last_sqrt_is_strictly_below_unwrapped() -> None:
+    model, data = nin(torch.channels_last)
+    x = data(64)
+    plain = measure(model, x)
+    sqrt = measure(autockpt.auto_checkpoint(model, "sqrt", example_inputs=(x,)), x)
+    assert sqrt.peak_bytes < plain.peak_bytes, (format_bytes(sqrt.peak_bytes), format_bytes(plain.peak_bytes))
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+def test_nin_no_segment_count_raises_the_peak(fmt: torch.memory_format) -> None:
+    """At batch 32, every segment count in both memory formats.
+
+    The one allowed extra is torch's stash of the CPU RNG state (5 KiB) for each checkpointed
+    segment that holds a Dropout: the price of replaying its mask exactly. Segments without
+    random ops keep no stash.
+    """
+    model, data = nin(fmt)
+    x = data(32)
+    plain = measure(model, x).peak_bytes
+    rng_state = torch.get_rng_state().numel()
+    n = autockpt.make_plan(model, "none", example_inputs=(x,)).n_stages
+    for k in range(1, n + 1):
+        with warnings.catch_warnings():  # k = 1 warns that it lowers nothing
+            warnings.simplefilter("ignore", UserWarning)
+            ck = autockpt.auto_checkpoint(model, k, example_inputs=(x,))
+        plan = ck.forward.plan
+        random = sum(
+            1 for s in plan.segments if s.checkpoint and "Dropout" in "".join(plan.stage_kinds[s.start : s.stop])
+        )
+        peak = measure(ck, x).peak_bytes
+        assert peak <= plain + random * rng_state, (
+            f"segments={k}: {format_bytes(peak)} > unwrapped {format_bytes(plain)}"
+        )
