@@ -20,7 +20,7 @@ import logging
 import pickle
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ __all__ = ["apply_plan", "auto_checkpoint", "is_checkpointed", "make_plan", "res
 
 logger = logging.getLogger(__name__)
 
-SegmentsSpec = Union[int, str, Planner, Plan]
+SegmentsSpec = int | str | Planner | Plan
 
 
 def auto_checkpoint(
@@ -241,9 +241,7 @@ def _check_module(model: object, where: str) -> None:
 
 
 def _check_spec(spec: object, where: str) -> None:
-    if isinstance(spec, bool) or not (
-        isinstance(spec, (int, str, Plan)) or callable(spec)
-    ):
+    if isinstance(spec, bool) or not (isinstance(spec, (int, str, Plan)) or callable(spec)):
         raise TypeError(
             f"{where}: segments must be an int number of segments, a strategy name such as "
             f"'sqrt', a callable planner or a Plan; got {type(spec).__name__} {spec!r}."

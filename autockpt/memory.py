@@ -20,6 +20,7 @@ inputs and anything created before are not included. Python-level tools such as
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import weakref
@@ -80,7 +81,7 @@ class _StorageTracker(TorchDispatchMode):
         self.peak_op = ""
         self._refs: dict[int, weakref.ref[Any]] = {}
 
-    def _release(self, key: int, nbytes: int) -> None:
+    def _on_free(self, key: int, nbytes: int, _ref: object) -> None:
         self._refs.pop(key, None)
         self.live -= nbytes
 
@@ -95,7 +96,7 @@ class _StorageTracker(TorchDispatchMode):
             if ref is not None and ref() is st:
                 continue
             nbytes = st.nbytes()
-            self._refs[key] = weakref.ref(st, lambda _r, k=key, n=nbytes: self._release(k, n))
+            self._refs[key] = weakref.ref(st, functools.partial(self._on_free, key, nbytes))
             self.live += nbytes
             if self.live > self.peak:
                 self.peak = self.live
@@ -116,7 +117,7 @@ class _CpuAllocatorEvents:
         from torch._C._profiler import ProfilerActivity
 
         self._activities = {ProfilerActivity.CPU}
-        self._config = torch.profiler.profiler._ExperimentalConfig()
+        self._config = torch._C._profiler._ExperimentalConfig()
 
     def start(self) -> None:
         from torch._C import _autograd
@@ -133,10 +134,11 @@ class _CpuAllocatorEvents:
 
         with _quiet_stderr():
             result = _autograd._disable_profiler()
+        cpu = torch._C._autograd.DeviceType.CPU
         deltas = sorted(
-            (e.start_ns(), e.nbytes())
+            (e.start_ns(), int(getattr(e, "nbytes")()))  # noqa: B009  (missing from torch's stubs)
             for e in result.events()
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+            if e.name() == "[memory]" and e.device_type() == cpu
         )
         live = peak = 0
         for _, nbytes in deltas:

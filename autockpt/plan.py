@@ -230,9 +230,7 @@ def _recomputed(segments: Sequence[Segment]) -> int:
 
 def _rows(plan: Plan, seg: Segment, label: str, indent: str) -> list[tuple[str, str, str, str]]:
     stages = f"{seg.start}" if len(seg) == 1 else f"{seg.start}-{seg.stop - 1}"
-    mods = ", ".join(
-        f"{plan.stage_names[i]}:{plan.stage_kinds[i]}" for i in range(seg.start, seg.stop)
-    )
+    mods = ", ".join(f"{plan.stage_names[i]}:{plan.stage_kinds[i]}" for i in range(seg.start, seg.stop))
     rows = [(indent + label, stages, "yes" if seg.checkpoint else "no", mods)]
     for j, child in enumerate(seg.children):
         rows.extend(_rows(plan, child, f"{label}.{j}", indent + "  "))

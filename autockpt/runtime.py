@@ -192,7 +192,7 @@ class _SegmentCall:
             now = module._buffers.get(name)
             if now is not t:
                 old[i] = t
-            elif t is not None and not torch.equal(t, clones[i]):
+            elif t is not None and not torch.equal(t, clones[i]):  # type: ignore[arg-type]
                 old[i] = clones[i]
         self.old = old
         return out

@@ -224,8 +224,10 @@ def _step(model: nn.Module, args: Sequence[Any], device: torch.device) -> _Step:
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.numel() == 0:
         return 0.0
-    return float((a.double() - b.double()).abs().max()) if a.is_floating_point() else float(
-        (a.long() - b.long()).abs().max()
+    return (
+        float((a.double() - b.double()).abs().max())
+        if a.is_floating_point()
+        else float((a.long() - b.long()).abs().max())
     )
 
 
@@ -244,9 +246,11 @@ def _compare(plan: Plan, ref: _Step, ckpt: _Step, atol: float, rtol: float) -> V
         diff = _max_diff(a, b)
         group = next(g for g in groups if name.startswith(g))
         groups[group] = max(groups[group], diff)
-        close = torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol, equal_nan=True) if (
-            a.is_floating_point() or a.is_complex()
-        ) else torch.equal(a, b)
+        close = (
+            torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol, equal_nan=True)
+            if (a.is_floating_point() or a.is_complex())
+            else torch.equal(a, b)
+        )
         if not close:
             mismatches.append(name)
     return VerifyReport(

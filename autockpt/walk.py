@@ -174,7 +174,8 @@ def chain_from_names(walker: str, units: Sequence[Unit], stage_names: Sequence[s
 
 def unsafe_from_chain(chain: Chain) -> frozenset[int]:
     """Unit indices that a chain keeps fused to their predecessor."""
-    out, j = set(), 0
+    out: set[int] = set()
+    j = 0
     for stage in chain.stages:
         out.update(range(j + 1, j + len(stage.units)))
         j += len(stage.units)

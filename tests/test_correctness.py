@@ -81,8 +81,11 @@ def test_dropout_masks_and_rng_stream_are_those_of_the_reference() -> None:  # [
 @pytest.mark.parametrize("segments", [2, 3, 5])
 def test_batchnorm_buffers_change_once_per_forward(momentum: float | None, segments: int) -> None:  # [5]
     model = nn.Sequential(
-        nn.Linear(5, 7), nn.BatchNorm1d(7, momentum=momentum), nn.Tanh(),
-        nn.Linear(7, 7), nn.BatchNorm1d(7, momentum=momentum),  # BN ends a segment for 2 and 5
+        nn.Linear(5, 7),
+        nn.BatchNorm1d(7, momentum=momentum),
+        nn.Tanh(),
+        nn.Linear(7, 7),
+        nn.BatchNorm1d(7, momentum=momentum),  # BN ends a segment for 2 and 5
         nn.Linear(7, 2),
     ).to(D)
     assert_same_step(model, torch.randn(6, 5, dtype=D), segments, steps=5)
@@ -145,8 +148,16 @@ class AddInPlace(nn.Module):
 
 def inplace_chain() -> nn.Sequential:
     return nn.Sequential(
-        nn.Linear(5, 6), nn.ReLU(inplace=True), nn.Linear(6, 6), AddInPlace(), nn.Tanh(),
-        nn.Linear(6, 6), nn.Flatten(), AddInPlace(), nn.ReLU(inplace=True), nn.Linear(6, 2),
+        nn.Linear(5, 6),
+        nn.ReLU(inplace=True),
+        nn.Linear(6, 6),
+        AddInPlace(),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        nn.Flatten(),
+        AddInPlace(),
+        nn.ReLU(inplace=True),
+        nn.Linear(6, 2),
     ).to(D)  # Flatten returns a view that AddInPlace mutates: the boundary before it is unsafe too
 
 
@@ -218,8 +229,14 @@ def test_tied_weights_across_segments_accumulate_once() -> None:  # [16]
 
 def bn_dropout_chain() -> nn.Sequential:
     return nn.Sequential(
-        nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(inplace=True), nn.Dropout(0.2),
-        nn.Linear(8, 8), nn.BatchNorm1d(8), nn.GELU(), nn.Linear(8, 3),
+        nn.Linear(5, 8),
+        nn.BatchNorm1d(8),
+        nn.ReLU(inplace=True),
+        nn.Dropout(0.2),
+        nn.Linear(8, 8),
+        nn.BatchNorm1d(8),
+        nn.GELU(),
+        nn.Linear(8, 3),
     ).to(D)
 
 
@@ -280,11 +297,19 @@ def test_eval_mode_with_grad_still_checkpoints() -> None:  # [24]
 
 def test_names_types_and_parameter_objects_are_unchanged() -> None:  # [26]
     model = bn_dropout_chain()
-    before = (list(model.state_dict()), list(model.named_parameters()), list(model.named_buffers()),
-              list(model.named_modules()))
+    before = (
+        list(model.state_dict()),
+        list(model.named_parameters()),
+        list(model.named_buffers()),
+        list(model.named_modules()),
+    )
     autockpt.auto_checkpoint(model)
-    after = (list(model.state_dict()), list(model.named_parameters()), list(model.named_buffers()),
-             list(model.named_modules()))
+    after = (
+        list(model.state_dict()),
+        list(model.named_parameters()),
+        list(model.named_buffers()),
+        list(model.named_modules()),
+    )
     assert before[0] == after[0]
     for b, a in zip(before[1:], after[1:]):
         assert [n for n, _ in b] == [n for n, _ in a]
@@ -344,7 +369,7 @@ def test_applying_twice_replaces_the_plan_and_never_stacks() -> None:  # [31]
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
         step(model, torch.randn(2, 6, dtype=D))
     assert len(calls) == 2  # forward + one recompute, not three
-    ref, once = twin(tanh_mlp(), 3)
+    _, once = twin(tanh_mlp(), 3)
     twice = autockpt.auto_checkpoint(copy.deepcopy(once), 3)
     x = torch.randn(2, 6, dtype=D)
     step(once, x)
@@ -364,7 +389,9 @@ def test_deepcopy_is_independent_and_still_checkpointed() -> None:  # [32]
 
 @pytest.mark.parametrize("how", ["pickle", "torch.save"])
 def test_pickle_round_trip_stays_checkpointed(how: str) -> None:  # [32]
-    model = autockpt.auto_checkpoint(bn_dropout_chain(), lambda r: [2] * (r.n_stages // 2) + [1] * (r.n_stages % 2))
+    model = autockpt.auto_checkpoint(
+        bn_dropout_chain(), lambda r: [2] * (r.n_stages // 2) + [1] * (r.n_stages % 2)
+    )
     step(model, torch.randn(4, 5, dtype=D))
     if how == "pickle":
         loaded = pickle.loads(pickle.dumps(model))

@@ -33,7 +33,9 @@ CASES: list[tuple[Any, Any, type[Exception], list[str]]] = [
 
 @pytest.mark.parametrize(("factory", "segments", "exc", "fragments"), CASES)
 @pytest.mark.parametrize("api", [autockpt.auto_checkpoint, autockpt.make_plan])
-def test_bad_arguments(api: Any, factory: Any, segments: Any, exc: type[Exception], fragments: list[str]) -> None:
+def test_bad_arguments(
+    api: Any, factory: Any, segments: Any, exc: type[Exception], fragments: list[str]
+) -> None:
     with pytest.raises(exc) as err:
         api(factory(), segments)
     text = str(err.value)
@@ -43,7 +45,9 @@ def test_bad_arguments(api: Any, factory: Any, segments: Any, exc: type[Exceptio
 
 
 def test_restore_on_a_model_never_checkpointed() -> None:
-    with pytest.raises(autockpt.AutockptError, match=re.escape("restore: this Sequential is not checkpointed")):
+    with pytest.raises(
+        autockpt.AutockptError, match=re.escape("restore: this Sequential is not checkpointed")
+    ):
         autockpt.restore(small())
 
 

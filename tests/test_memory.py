@@ -146,7 +146,9 @@ def test_nin_no_segment_count_raises_the_peak(fmt: torch.memory_format) -> None:
             ck = autockpt.auto_checkpoint(model, k, example_inputs=(x,))
         plan = ck.forward.plan
         random = sum(
-            1 for s in plan.segments if s.checkpoint and "Dropout" in "".join(plan.stage_kinds[s.start : s.stop])
+            1
+            for s in plan.segments
+            if s.checkpoint and "Dropout" in "".join(plan.stage_kinds[s.start : s.stop])
         )
         peak = measure(ck, x).peak_bytes
         assert peak <= plain + random * rng_state, (

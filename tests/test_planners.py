@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -25,7 +26,7 @@ def test_every_planner_tiles_the_chain_and_is_deterministic(name: str, n: int) -
     first = run_planner(fn, request(n), where="test")
     assert first == run_planner(fn, request(n), where="test")
     assert first[0].start == 0 and first[-1].stop == n
-    for a, b in zip(first, first[1:]):
+    for a, b in itertools.pairwise(first):
         assert a.stop == b.start
     assert not first[-1].checkpoint, "the last segment buys nothing at the peak"
 
@@ -82,8 +83,9 @@ def test_custom_planner_answers_are_validated(answer: object, message: str) -> N
 
 
 def test_register_planner_normalises_names_before_the_duplicate_check() -> None:
-    autockpt.register_planner("Test-Halves", lambda r: [r.n_stages // 2, r.n_stages - r.n_stages // 2],
-                              overwrite=True)
+    autockpt.register_planner(
+        "Test-Halves", lambda r: [r.n_stages // 2, r.n_stages - r.n_stages // 2], overwrite=True
+    )
     assert "test-halves" in autockpt.available_planners()
     with pytest.raises(ValueError, match="exists already"):
         autockpt.register_planner("TEST-HALVES ", lambda r: [r.n_stages])
@@ -120,8 +122,9 @@ def test_plan_json_round_trip(sizes: list[int], data: st.DataObject) -> None:
 
 def test_nested_segments_round_trip_and_count_recompute() -> None:
     inner = (Segment(0, 2, True), Segment(2, 4, False))
-    plan = Plan("nested", "sequential", tuple("abcde"), ("L",) * 5,
-                (Segment(0, 4, True, inner), Segment(4, 5, False)))
+    plan = Plan(
+        "nested", "sequential", tuple("abcde"), ("L",) * 5, (Segment(0, 4, True, inner), Segment(4, 5, False))
+    )
     assert plan.recomputed_stages == 4 + 2
     assert Plan.from_json(plan.to_json()) == plan
     assert "0.0" in str(plan)
@@ -135,8 +138,13 @@ def test_plan_rejects_bad_segments_and_bad_json() -> None:
 
 
 def test_plan_table_names_every_stage_and_what_is_recomputed() -> None:
-    plan = Plan("2", "sequential", ("0+1", "2", "3"), ("Conv2d+ReLU", "Linear", "Tanh"),
-                (Segment(0, 2, True), Segment(2, 3, False)))
+    plan = Plan(
+        "2",
+        "sequential",
+        ("0+1", "2", "3"),
+        ("Conv2d+ReLU", "Linear", "Tanh"),
+        (Segment(0, 2, True), Segment(2, 3, False)),
+    )
     text = str(plan)
     assert "strategy='2'" in text and "walker='sequential'" in text
     assert "0+1:Conv2d+ReLU" in text and "3:Tanh" in text

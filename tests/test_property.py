@@ -37,8 +37,23 @@ def sequentials(draw: st.DrawFn) -> tuple[nn.Sequential, tuple[int, ...]]:
     for _ in range(draw(st.integers(1, 24))):
         if len(shape) == 4:
             c, h = shape[1], shape[2]
-            choice = draw(st.sampled_from(["conv", "bn", "relu", "relu_", "gelu", "drop", "maxpool", "avgpool",
-                                           "flatten", "reuse", "nest"]))
+            choice = draw(
+                st.sampled_from(
+                    [
+                        "conv",
+                        "bn",
+                        "relu",
+                        "relu_",
+                        "gelu",
+                        "drop",
+                        "maxpool",
+                        "avgpool",
+                        "flatten",
+                        "reuse",
+                        "nest",
+                    ]
+                )
+            )
             if choice == "conv":
                 out_c = draw(st.integers(1, 4))
                 layer: nn.Module = nn.Conv2d(c, out_c, 3, padding=1)
@@ -57,7 +72,9 @@ def sequentials(draw: st.DrawFn) -> tuple[nn.Sequential, tuple[int, ...]]:
                 layer = _common(draw, choice, used, shape)
         else:
             f = shape[1]
-            choice = draw(st.sampled_from(["linear", "bn", "ln", "relu", "relu_", "gelu", "drop", "reuse", "nest"]))
+            choice = draw(
+                st.sampled_from(["linear", "bn", "ln", "relu", "relu_", "gelu", "drop", "reuse", "nest"])
+            )
             if choice == "linear":
                 out_f = draw(st.integers(1, 6))
                 layer = nn.Linear(f, out_f)
@@ -72,7 +89,11 @@ def sequentials(draw: st.DrawFn) -> tuple[nn.Sequential, tuple[int, ...]]:
                 layer = _common(draw, choice, used, shape)
         if isinstance(layer, nn.ReLU) and layer.inplace and not (fresh and not saved):
             layer = nn.ReLU()
-        if isinstance(layer, nn.Sequential) and any(getattr(m, "inplace", False) for m in layer) and not fresh:
+        if (
+            isinstance(layer, nn.Sequential)
+            and any(getattr(m, "inplace", False) for m in layer)
+            and not fresh
+        ):
             layer = nn.Sequential(nn.Tanh(), nn.Dropout(0.25))
         if not isinstance(layer, (nn.Flatten, nn.Identity)):
             fresh = True

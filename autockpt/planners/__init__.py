@@ -2,8 +2,8 @@
 
 from autockpt.planners import basic as _basic  # noqa: F401  (registers the built-ins)
 from autockpt.planners.registry import (
-    PlanRequest,
     Planner,
+    PlanRequest,
     available_planners,
     get_planner,
     register_planner,

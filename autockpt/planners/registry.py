@@ -76,8 +76,7 @@ def register_planner(name: str, fn: Planner, *, overwrite: bool = False) -> None
     key = _normalize(name)
     if key in _PLANNERS and not overwrite:
         raise ValueError(
-            f"register_planner: a planner named {key!r} exists already. "
-            f"Pass overwrite=True to replace it."
+            f"register_planner: a planner named {key!r} exists already. Pass overwrite=True to replace it."
         )
     _PLANNERS[key] = fn
 
@@ -121,8 +120,7 @@ def segments_from_sizes(sizes: Sequence[int], n_stages: int, *, where: str) -> t
         start += size
     if start != n_stages:
         raise ValueError(
-            f"{where}: segment sizes {list(sizes)!r} sum to {start}, but the chain has "
-            f"{n_stages} stages."
+            f"{where}: segment sizes {list(sizes)!r} sum to {start}, but the chain has {n_stages} stages."
         )
     if out:
         out[-1] = Segment(out[-1].start, out[-1].stop, checkpoint=False)
@@ -133,11 +131,9 @@ def run_planner(fn: Planner, request: PlanRequest, *, where: str) -> tuple[Segme
     """Call a planner and check that its answer tiles the chain."""
     result = list(fn(request))
     if result and all(isinstance(r, Segment) for r in result):
-        segments = tuple(result)  # type: ignore[arg-type]
+        segments = tuple(r for r in result if isinstance(r, Segment))
         validate_segments(segments, 0, request.n_stages, where=where)
         return segments
     if all(isinstance(r, int) and not isinstance(r, bool) for r in result):
         return segments_from_sizes(result, request.n_stages, where=where)  # type: ignore[arg-type]
-    raise TypeError(
-        f"{where}: a planner must return Segments or segment sizes (ints), got {result!r}."
-    )
+    raise TypeError(f"{where}: a planner must return Segments or segment sizes (ints), got {result!r}.")
