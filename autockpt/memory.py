@@ -70,6 +70,10 @@ class MemoryStats:
         return "MemoryStats(" + ", ".join(parts) + ")"
 
 
+def _storage_id(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)
+
+
 class _StorageTracker(TorchDispatchMode):
     """Counts bytes of storages created by ops on one device type while they live."""
 
@@ -87,8 +91,13 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # Outputs that alias an input (views, detach, in-place ops) allocate nothing, even when
+        # the input's storage predates the block (a parameter seen for the first time).
+        inputs = {_storage_id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            if _storage_id(t) in inputs:
                 continue
             st = t.untyped_storage()
             key = id(st)

@@ -154,3 +154,13 @@ def test_nin_no_segment_count_raises_the_peak(fmt: torch.memory_format) -> None:
         assert peak <= plain + random * rng_state, (
             f"segments={k}: {format_bytes(peak)} > unwrapped {format_bytes(plain)}"
         )
+
+
+def test_aliases_of_storages_from_before_the_block_cost_nothing() -> None:
+    weight = torch.ones(1024, 1024)
+    with autockpt.track_memory("cpu") as mem:
+        detached = weight.detach()
+        view = weight.view(-1)
+        weight.mul_(2)
+    assert mem.tensor_peak_bytes == 0
+    assert detached.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
