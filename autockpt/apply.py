@@ -342,7 +342,18 @@ class CheckpointedForward:
                 f"the plan with autockpt.make_plan(model, example_inputs=(x,))."
             )
         logger.info("autockpt: dry run found in-place modules; re-planning %r", self.spec)
-        self.plan = plan_chain(chain, self.spec, where="auto_checkpoint")
+        spec = self.spec
+        n = len(chain.stages)
+        if isinstance(spec, int) and spec > n:
+            warnings.warn(
+                f"auto_checkpoint: the dry run fused modules that modify their input in place, "
+                f"leaving {n} stages, so segments={spec} becomes segments={n}. Pass "
+                f"example_inputs=(x,) to auto_checkpoint to see the real stage count up front.",
+                UserWarning,
+                stacklevel=4,
+            )
+            spec = n
+        self.plan = plan_chain(chain, spec, where="auto_checkpoint")
         self.runtime = build_runtime(self.plan.segments, chain.stages)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -406,3 +406,14 @@ def test_pickle_round_trip_stays_checkpointed(how: str) -> None:  # [32]
     assert spy.call_count == len(loaded.forward.plan.segments) - 1
     seeded_step(ref, torch.ones(4, 5, dtype=D))
     assert_same_state(ref, loaded)
+
+
+def test_count_above_the_stages_found_by_the_dry_run_is_clamped_with_a_warning() -> None:  # [11]
+    model = nn.Sequential(nn.Linear(3, 3), nn.Flatten(), nn.ReLU(inplace=True), nn.Linear(3, 3)).to(D)
+    ref, ck = twin(model, 3)  # statically 3 stages; the dry run fuses Flatten too
+    x = torch.randn(2, 3, dtype=D)
+    with pytest.warns(UserWarning, match="segments=3 becomes segments=2"):
+        step(ck, x)
+    step(ref, x)
+    assert ck.forward.plan.stage_names == ("0+1+2", "3")
+    assert_same_state(ref, ck)

@@ -10,6 +10,7 @@ must be bitwise equal after 3 training steps, and so must the RNG stream. Run wi
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from helpers import assert_same_state, seeded_step
@@ -132,6 +133,9 @@ def test_random_sequentials_train_exactly_like_the_original(
     segments = data.draw(st.one_of(st.integers(2, n), st.just("sqrt")) if n >= 2 else st.just("none"))
     ref = copy.deepcopy(model)
     autockpt.auto_checkpoint(model, segments)
+    # The first forward's dry run may fuse more stages than the static view saw; autockpt then
+    # warns (fewer segments, or nothing left to checkpoint). Those warnings are expected here.
+    warnings.simplefilter("ignore", UserWarning)
     for i in range(3):
         x = torch.randn(shape, dtype=D)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
