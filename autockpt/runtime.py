@@ -220,15 +220,33 @@ def dry_run_state(model: nn.Module, x: Any) -> Iterator[None]:
     Buffers are swapped for clones and put back, the RNG of the CPU and of every CUDA
     device that ``x`` lives on is forked, and :func:`is_recomputing` is true inside.
     """
-    slots = [(m, n, t) for m in model.modules() for n, t in m._buffers.items()]
+    slots = buffer_slots(model)
     devices = sorted(
         {t.device.index or 0 for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor) and t.is_cuda}
     )
-    for module, name, t in slots:
-        module._buffers[name] = t.clone() if t is not None else None
+    install_buffer_clones(slots)
     try:
         with torch.random.fork_rng(devices=devices), recomputing():
             yield
     finally:
-        for module, name, t in slots:
-            module._buffers[name] = t
+        reinstall_buffers(slots)
+
+
+BufferState = list[tuple[nn.Module, str, "torch.Tensor | None"]]
+
+
+def buffer_slots(model: nn.Module) -> BufferState:
+    """Every buffer slot of ``model`` with the tensor it holds now."""
+    return [(m, n, t) for m in model.modules() for n, t in m._buffers.items()]
+
+
+def install_buffer_clones(slots: BufferState) -> None:
+    """Put private copies of the recorded buffers in place; the originals stay untouched."""
+    for module, name, t in slots:
+        module._buffers[name] = t.clone() if t is not None else None
+
+
+def reinstall_buffers(slots: BufferState) -> None:
+    """Put the recorded buffer objects back."""
+    for module, name, t in slots:
+        module._buffers[name] = t

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autockpt.apply import SegmentsSpec, _as_args, _installed, auto_checkpoint
+from autockpt.apply import SegmentsSpec, _as_args, _installed, auto_checkpoint, restore
 from autockpt.memory import MemoryStats, track_memory
 from autockpt.plan import Plan, format_bytes
+from autockpt.runtime import buffer_slots, install_buffer_clones, reinstall_buffers
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -149,11 +150,8 @@ def _device_of(model: nn.Module, args: Sequence[Any]) -> torch.device:
 
 
 def _unwrap(model: nn.Module) -> None:
-    fwd = _installed(model)
-    if fwd is not None:
-        del model.__dict__["forward"]
-        if fwd.original_forward is not None:
-            model.__dict__["forward"] = fwd.original_forward
+    if _installed(model) is not None:
+        restore(model)
 
 
 @contextlib.contextmanager
@@ -161,14 +159,13 @@ def _preserved(model: nn.Module) -> Iterator[Any]:
     """Keep forward, buffers, grads and RNG; yield a function that resets to the start."""
     had_forward = "forward" in model.__dict__
     forward = model.__dict__.get("forward")
-    slots = [(m, n, t) for m in model.modules() for n, t in m._buffers.items()]
+    slots = buffer_slots(model)
     grads = [(p, p.grad) for p in model.parameters()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
     def fresh() -> None:
-        for module, name, t in slots:
-            module._buffers[name] = t.clone() if t is not None else None
+        install_buffer_clones(slots)
         for p, _ in grads:
             p.grad = None
         torch.set_rng_state(cpu_rng)
@@ -181,8 +178,7 @@ def _preserved(model: nn.Module) -> Iterator[Any]:
         model.__dict__.pop("forward", None)
         if had_forward:
             model.__dict__["forward"] = forward
-        for module, name, t in slots:
-            module._buffers[name] = t
+        reinstall_buffers(slots)
         for p, g in grads:
             p.grad = g
         torch.set_rng_state(cpu_rng)
