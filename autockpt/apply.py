@@ -33,6 +33,7 @@ from autockpt.planners.registry import Planner
 from autockpt.runtime import SegmentRuntime, build_runtime, dry_run_state, run_segments
 from autockpt.walk import (
     Chain,
+    DryRun,
     Unit,
     build_chain,
     chain_from_names,
@@ -88,10 +89,10 @@ def auto_checkpoint(
     _check_module(model, "auto_checkpoint")
     _check_spec(segments, "auto_checkpoint")
     units = _walk(model, "auto_checkpoint")
-    unsafe = _unsafe(model, units, example_inputs)
-    chain = build_chain("sequential", units, unsafe or ())
+    probe = _probe(model, units, example_inputs)
+    chain = build_chain("sequential", units, probe)
     plan = plan_chain(chain, segments, where="auto_checkpoint")
-    _install(model, units, chain, plan, segments, unsafe)
+    _install(model, units, chain, plan, segments, probe)
     return model
 
 
@@ -116,8 +117,8 @@ def make_plan(
     _check_module(model, "make_plan")
     _check_spec(segments, "make_plan")
     units = _walk(model, "make_plan")
-    unsafe = _unsafe(model, units, example_inputs)
-    return plan_chain(build_chain("sequential", units, unsafe or ()), segments, where="make_plan")
+    probe = _probe(model, units, example_inputs)
+    return plan_chain(build_chain("sequential", units, probe), segments, where="make_plan")
 
 
 def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
@@ -125,7 +126,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     _check_module(model, "Plan.apply")
     units = _walk(model, "Plan.apply")
     chain = chain_from_names(plan.walker, units, plan.stage_names)
-    _install(model, units, chain, plan, plan, _unsafe(model, units, None))
+    _install(model, units, chain, plan, plan, _probe(model, units, None))
     return model
 
 
@@ -188,7 +189,7 @@ def plan_chain(chain: Chain, spec: SegmentsSpec, *, where: str) -> Plan:
                 f"example_inputs=...)."
             )
         return spec
-    request = PlanRequest(stage_names=chain.names)
+    request = PlanRequest(stage_names=chain.names, input_bytes=chain.input_bytes)
     if isinstance(spec, int):
         if not 1 <= spec <= n:
             raise ValueError(
@@ -257,10 +258,8 @@ def _walk(model: nn.Module, where: str) -> tuple[Unit, ...]:
     return sequential_units(model)
 
 
-def _unsafe(
-    model: nn.Module, units: Sequence[Unit], example_inputs: Sequence[Any] | None
-) -> frozenset[int] | None:
-    """Unit indices with an unsafe boundary in front, from a dry run; None if none ran yet."""
+def _probe(model: nn.Module, units: Sequence[Unit], example_inputs: Sequence[Any] | None) -> DryRun | None:
+    """The dry run's findings: run now on ``example_inputs``, or reused; None if none ran yet."""
     if example_inputs is not None:
         args = _as_args(example_inputs)
         if len(args) != 1:
@@ -271,8 +270,8 @@ def _unsafe(
         with dry_run_state(model, args[0]):
             return find_unsafe_boundaries(units, args[0])
     fwd = _installed(model)
-    if fwd is not None and fwd.unsafe is not None and _same_units(fwd.units, units):
-        return fwd.unsafe
+    if fwd is not None and fwd.probe is not None and _same_units(fwd.units, units):
+        return fwd.probe
     return None
 
 
@@ -301,14 +300,14 @@ class CheckpointedForward:
         chain: Chain,
         plan: Plan,
         spec: SegmentsSpec,
-        unsafe: frozenset[int] | None,
+        probe: DryRun | None,
         original_forward: Callable[..., Any] | None,
     ) -> None:
         self.model = model
         self.units = units
         self.plan = plan
         self.spec = spec
-        self.unsafe = unsafe
+        self.probe = probe
         self.original_forward = original_forward
         self.runtime: tuple[SegmentRuntime, ...] = build_runtime(plan.segments, chain.stages)
 
@@ -322,26 +321,25 @@ class CheckpointedForward:
             return self._plain(*args, **kwargs)
         if len(args) != 1 or kwargs:
             return self._plain(*args, **kwargs)  # let the model raise its own TypeError
-        if self.unsafe is None:
+        if self.probe is None:
             self._dry_run(args[0])
         return run_segments(self.runtime, args[0])
 
     def _dry_run(self, x: Any) -> None:
         with dry_run_state(self.model, x):
-            unsafe = find_unsafe_boundaries(self.units, x)
-        self.unsafe = unsafe
-        chain = build_chain(self.plan.walker, self.units, unsafe)
-        if chain.names == self.plan.stage_names and not (
-            chain.first_unit_unsafe and self.plan.segments[0].checkpoint
-        ):
-            return
+            self.probe = find_unsafe_boundaries(self.units, x)
+        chain = build_chain(self.plan.walker, self.units, self.probe)
         if isinstance(self.spec, Plan) or self.spec is None:
+            if chain.names == self.plan.stage_names and not (
+                chain.first_unit_unsafe and self.plan.segments[0].checkpoint
+            ):
+                return
             raise AutockptError(
                 f"auto_checkpoint: the dry run found modules that modify their input in place "
-                f"at stages {sorted(unsafe)}, which the given plan puts after a boundary. Make "
-                f"the plan with autockpt.make_plan(model, example_inputs=(x,))."
+                f"at units {sorted(self.probe.unsafe)}, which the given plan puts after a boundary. "
+                f"Make the plan with autockpt.make_plan(model, example_inputs=(x,))."
             )
-        logger.info("autockpt: dry run found in-place modules; re-planning %r", self.spec)
+        # Re-plan with what the dry run found: fused stages and boundary sizes.
         spec = self.spec
         n = len(chain.stages)
         if isinstance(spec, int) and spec > n:
@@ -353,8 +351,11 @@ class CheckpointedForward:
                 stacklevel=4,
             )
             spec = n
-        self.plan = plan_chain(chain, spec, where="auto_checkpoint")
-        self.runtime = build_runtime(self.plan.segments, chain.stages)
+        plan = plan_chain(chain, spec, where="auto_checkpoint")
+        if plan != self.plan:
+            logger.info("autockpt: re-planned %r after the dry run", spec)
+            self.plan = plan
+            self.runtime = build_runtime(plan.segments, chain.stages)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -378,8 +379,8 @@ def _install(
     chain: Chain,
     plan: Plan,
     spec: SegmentsSpec,
-    unsafe: frozenset[int] | None,
+    probe: DryRun | None,
 ) -> None:
     previous = _installed(model)
     original = previous.original_forward if previous is not None else model.__dict__.get("forward")
-    model.__dict__["forward"] = CheckpointedForward(model, units, chain, plan, spec, unsafe, original)
+    model.__dict__["forward"] = CheckpointedForward(model, units, chain, plan, spec, probe, original)

@@ -16,7 +16,7 @@ NOTE [In-place boundaries]
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from autockpt.errors import AutockptError
 
-__all__ = ["Chain", "Stage", "Unit", "build_chain", "find_unsafe_boundaries", "sequential_units"]
+__all__ = ["Chain", "DryRun", "Stage", "Unit", "build_chain", "find_unsafe_boundaries", "sequential_units"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,6 +66,7 @@ class Chain:
     walker: str
     stages: tuple[Stage, ...]
     first_unit_unsafe: bool = False  # the first module modifies the model's input in place
+    input_bytes: tuple[int, ...] | None = None  # per stage, from a dry run
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -132,23 +133,30 @@ def _declares_inplace(module: nn.Module) -> bool:
     return getattr(module, "inplace", False) is True
 
 
-def build_chain(walker: str, units: Sequence[Unit], unsafe: Iterable[int] = ()) -> Chain:
+def build_chain(walker: str, units: Sequence[Unit], probe: DryRun | None = None) -> Chain:
     """Group ``units`` into stages, fusing each unit at an unsafe boundary with the one before.
 
     Args:
         walker: name of the walker that found the units.
         units: leaf units in execution order.
-        unsafe: indices ``j`` such that no boundary may sit in front of unit ``j``.
-            Units that declare ``inplace=True`` are added to these.
+        probe: the dry run's findings, if one ran. Units that declare ``inplace=True`` are
+            unsafe boundaries in any case.
     """
-    bad = set(unsafe) | {j for j, u in enumerate(units) if _declares_inplace(u.module)}
+    bad = set(probe.unsafe if probe else ()) | {j for j, u in enumerate(units) if _declares_inplace(u.module)}
     groups: list[list[Unit]] = []
+    starts: list[int] = []
     for j, unit in enumerate(units):
         if groups and j in bad:
             groups[-1].append(unit)
         else:
             groups.append([unit])
-    return Chain(walker, tuple(Stage(tuple(g)) for g in groups), first_unit_unsafe=0 in bad)
+            starts.append(j)
+    return Chain(
+        walker,
+        tuple(Stage(tuple(g)) for g in groups),
+        first_unit_unsafe=0 in bad,
+        input_bytes=tuple(probe.input_bytes[j] for j in starts) if probe else None,
+    )
 
 
 def chain_from_names(walker: str, units: Sequence[Unit], stage_names: Sequence[str]) -> Chain:
@@ -190,8 +198,22 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
-def find_unsafe_boundaries(units: Sequence[Unit], x: Any) -> frozenset[int]:
-    """Dry-run ``units`` on ``x`` and return the indices whose input got modified in place.
+@dataclass(frozen=True)
+class DryRun:
+    """What running the units once taught us.
+
+    Attributes:
+        unsafe: unit indices whose input got modified in place (no boundary in front).
+        input_bytes: per unit, bytes of the distinct storages of its input, i.e. what a
+            checkpoint starting there would keep alive.
+    """
+
+    unsafe: frozenset[int]
+    input_bytes: tuple[int, ...]
+
+
+def find_unsafe_boundaries(units: Sequence[Unit], x: Any) -> DryRun:
+    """Dry-run ``units`` on ``x``: find inputs modified in place, and measure every input.
 
     Index ``j`` is returned when running any unit ``i >= j`` changes the version counter
     of unit ``j``'s input (directly or through a view of the same storage). The run keeps
@@ -202,11 +224,13 @@ def find_unsafe_boundaries(units: Sequence[Unit], x: Any) -> frozenset[int]:
     The caller restores buffers and RNG around this call.
     """
     unsafe: set[int] = set()
+    sizes: list[int] = []
     watched: list[tuple[int, torch.Tensor, int]] = []  # (unit index, tensor, version)
     value = _clone(x)  # never mutate the caller's input
     for i, unit in enumerate(units):
         inputs = _tensors(value)
         keys = {_storage_key(t) for t in inputs}
+        sizes.append(sum({_storage_key(t): t.untyped_storage().nbytes() for t in inputs}.values()))
         watched = [w for w in watched if _storage_key(w[1]) in keys]
         watched.extend((i, t, t._version) for t in inputs)
         value = _detach(unit.module(value))
@@ -214,7 +238,7 @@ def find_unsafe_boundaries(units: Sequence[Unit], x: Any) -> frozenset[int]:
             if t._version != version:
                 unsafe.add(j)
         watched = [(j, t, t._version) for j, t, _ in watched]
-    return frozenset(unsafe)
+    return DryRun(frozenset(unsafe), tuple(sizes))
 
 
 def _detach(x: Any) -> Any:

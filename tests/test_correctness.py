@@ -417,3 +417,21 @@ def test_count_above_the_stages_found_by_the_dry_run_is_clamped_with_a_warning()
     step(ref, x)
     assert ck.forward.plan.stage_names == ("0+1+2", "3")
     assert_same_state(ref, ck)
+
+
+def expansion_mlp(blocks: int = 5) -> nn.Sequential:
+    return nn.Sequential(
+        *[m for _ in range(blocks) for m in (nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))]
+    ).to(D)
+
+
+@pytest.mark.parametrize("with_inputs", [True, False])
+def test_expansion_mlp_boundaries_sit_at_narrow_tensors(with_inputs: bool) -> None:  # [29]
+    x = torch.randn(4, 8, dtype=D)
+    ref, ck = twin(expansion_mlp(), "sqrt", **({"example_inputs": (x,)} if with_inputs else {}))
+    step(ref, x)
+    step(ck, x)  # without example inputs the first step's dry run re-plans
+    assert_same_state(ref, ck)
+    starts = [s.start for s in ck.forward.plan.segments]
+    assert starts == [0, 3, 9, 12]
+    assert all(ck.forward.plan.stage_kinds[i] == "Linear" and i % 3 == 0 for i in starts)

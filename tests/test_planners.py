@@ -152,3 +152,28 @@ def test_plan_table_names_every_stage_and_what_is_recomputed() -> None:
     assert lines[2].split()[:3] == ["0", "0-1", "yes"]
     assert lines[3].split()[:3] == ["1", "2", "no"]
     assert "recomputed in backward: 2 of 3" in text
+
+
+@given(st.integers(1, 60), st.data())
+def test_sqrt_with_bytes_keeps_the_count_and_moves_each_boundary_at_most_half_a_segment(
+    n: int, data: st.DataObject
+) -> None:
+    sizes_bytes = tuple(data.draw(st.lists(st.integers(0, 100), min_size=n, max_size=n)))
+    plain = run_planner(get_planner("sqrt", where="t"), request(n), where="t")
+    req = PlanRequest(stage_names=request(n).stage_names, input_bytes=sizes_bytes)
+    snapped = run_planner(get_planner("sqrt", where="t"), req, where="t")
+    assert len(snapped) == len(plain)
+    reach = min(map(len, plain)) // 2
+    for a, b in zip(plain[1:], snapped[1:]):
+        assert abs(a.start - b.start) <= reach
+        assert sizes_bytes[b.start] <= sizes_bytes[a.start]  # the count-balanced spot is a candidate
+
+
+def test_sqrt_moves_boundaries_of_an_expansion_mlp_to_narrow_tensors() -> None:  # CORRECTNESS 29
+    # 5 blocks of (Linear d->4d, GELU, Linear 4d->d): inputs are narrow every third stage
+    widths = tuple(1 if i % 3 == 0 else 4 for i in range(15))
+    req = PlanRequest(stage_names=request(15).stage_names, input_bytes=widths)
+    plain = run_planner(get_planner("sqrt", where="t"), request(15), where="t")
+    snapped = run_planner(get_planner("sqrt", where="t"), req, where="t")
+    assert [s.start for s in plain] == [0, 4, 8, 12]
+    assert [s.start for s in snapped] == [0, 3, 9, 12]

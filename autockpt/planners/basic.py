@@ -9,12 +9,20 @@ larger segments first). Each planner runs in O(n).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from autockpt.plan import Segment
 from autockpt.planners.registry import PlanRequest, register_planner, segments_from_sizes
 
-__all__ = ["balanced_sizes", "none_planner", "sqrt_planner", "sqrt_segment_count", "uniform_plan"]
+__all__ = [
+    "balanced_sizes",
+    "none_planner",
+    "snap_boundaries",
+    "sqrt_planner",
+    "sqrt_segment_count",
+    "uniform_plan",
+]
 
 
 def balanced_sizes(n: int, k: int) -> list[int]:
@@ -41,9 +49,39 @@ def none_planner(request: PlanRequest) -> tuple[Segment, ...]:
 
 
 def sqrt_planner(request: PlanRequest) -> tuple[Segment, ...]:
-    """``ceil(sqrt(n))`` segments balanced by stage count."""
+    """``ceil(sqrt(n))`` segments balanced by stage count, boundaries moved to narrow tensors.
+
+    When the request carries ``input_bytes`` (after a dry run), each boundary may move by up
+    to half a segment to the stage whose input is smallest, so an expansion MLP keeps its
+    narrow tensors rather than its 4x-wide ones (nearest wins ties, then the earlier).
+    """
     n = request.n_stages
-    return uniform_plan(n, sqrt_segment_count(n))
+    k = sqrt_segment_count(n)
+    sizes = balanced_sizes(n, k)
+    if request.input_bytes is None:
+        return segments_from_sizes(sizes, n, where="sqrt")
+    starts = snap_boundaries(sizes, request.input_bytes)
+    bounds = [0, *starts, n]
+    return segments_from_sizes([b - a for a, b in itertools.pairwise(bounds)], n, where="sqrt")
+
+
+def snap_boundaries(sizes: list[int], input_bytes: tuple[int, ...]) -> list[int]:
+    """Start stages of segments 2..k, each moved within half a segment to the narrowest input.
+
+    O(n): every stage is a candidate for at most two boundaries.
+    """
+    n, k = sum(sizes), len(sizes)
+    reach = min(sizes) // 2
+    ideal = list(itertools.accumulate(sizes))[:-1]
+    out: list[int] = []
+    prev = 0
+    for i, p in enumerate(ideal):
+        lo = max(prev + 1, p - reach)
+        hi = min(p + reach, n - (k - 1 - i))
+        best = min(range(lo, hi + 1), key=lambda j: (input_bytes[j], abs(j - p), j))
+        out.append(best)
+        prev = best
+    return out
 
 
 register_planner("none", none_planner)

@@ -31,9 +31,12 @@ class PlanRequest:
 
     Attributes:
         stage_names: one name per stage of the chain, in order.
+        input_bytes: per stage, the bytes a checkpoint starting there keeps alive (its
+            input), when a dry run measured them; ``None`` otherwise.
     """
 
     stage_names: tuple[str, ...]
+    input_bytes: tuple[int, ...] | None = None
 
     @property
     def n_stages(self) -> int:
