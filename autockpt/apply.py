@@ -42,7 +42,7 @@ from autockpt.walk import (
     sequential_units,
 )
 
-__all__ = ["apply_plan", "auto_checkpoint", "is_checkpointed", "make_plan", "restore"]
+__all__ = ["apply_plan", "auto_checkpoint", "make_plan", "restore"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,17 +153,6 @@ def restore(model: nn.Module) -> nn.Module:
     if fwd.original_forward is not None:
         model.__dict__["forward"] = fwd.original_forward
     return model
-
-
-def is_checkpointed(model: nn.Module) -> bool:
-    """Whether autockpt's forward is installed on ``model``."""
-    return _installed(model) is not None
-
-
-def current_plan(model: nn.Module) -> Plan | None:
-    """The plan installed on ``model``, or ``None``."""
-    fwd = _installed(model)
-    return fwd.plan if fwd is not None else None
 
 
 # --- planning -------------------------------------------------------------------------

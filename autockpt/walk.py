@@ -180,16 +180,6 @@ def chain_from_names(walker: str, units: Sequence[Unit], stage_names: Sequence[s
     return Chain(walker, tuple(stages))
 
 
-def unsafe_from_chain(chain: Chain) -> frozenset[int]:
-    """Unit indices that a chain keeps fused to their predecessor."""
-    out: set[int] = set()
-    j = 0
-    for stage in chain.stages:
-        out.update(range(j + 1, j + len(stage.units)))
-        j += len(stage.units)
-    return frozenset(out)
-
-
 def _storage_key(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
