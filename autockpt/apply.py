@@ -37,8 +37,7 @@ from autockpt.walk import (
     Unit,
     build_chain,
     chain_from_names,
-    find_unsafe_boundaries,
-    is_sequential_model,
+    probe_units,
     sequential_units,
 )
 
@@ -88,8 +87,8 @@ def auto_checkpoint(
     """
     _check_module(model, "auto_checkpoint")
     _check_spec(segments, "auto_checkpoint")
-    units = _walk(model, "auto_checkpoint")
-    probe = _probe(model, units, example_inputs)
+    units = sequential_units(model, where="auto_checkpoint")
+    probe = _probe(model, units, example_inputs, "auto_checkpoint")
     chain = build_chain("sequential", units, probe)
     plan = plan_chain(chain, segments, where="auto_checkpoint")
     _install(model, units, chain, plan, segments, probe)
@@ -116,17 +115,17 @@ def make_plan(
     """
     _check_module(model, "make_plan")
     _check_spec(segments, "make_plan")
-    units = _walk(model, "make_plan")
-    probe = _probe(model, units, example_inputs)
+    units = sequential_units(model, where="make_plan")
+    probe = _probe(model, units, example_inputs, "make_plan")
     return plan_chain(build_chain("sequential", units, probe), segments, where="make_plan")
 
 
 def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     """Checkpoint ``model`` in place with exactly ``plan`` (see :meth:`Plan.apply`)."""
     _check_module(model, "Plan.apply")
-    units = _walk(model, "Plan.apply")
+    units = sequential_units(model, where="Plan.apply")
     chain = chain_from_names(plan.walker, units, plan.stage_names)
-    _install(model, units, chain, plan, plan, _probe(model, units, None))
+    _install(model, units, chain, plan, plan, _probe(model, units, None, "Plan.apply"))
     return model
 
 
@@ -238,26 +237,19 @@ def _check_spec(spec: object, where: str) -> None:
         )
 
 
-def _walk(model: nn.Module, where: str) -> tuple[Unit, ...]:
-    if not is_sequential_model(model):
-        raise AutockptError(
-            f"{where}: {type(model).__name__} is not an nn.Sequential; only Sequential models "
-            f"can be walked so far. Put its layers in an nn.Sequential."
-        )
-    return sequential_units(model)
-
-
-def _probe(model: nn.Module, units: Sequence[Unit], example_inputs: Sequence[Any] | None) -> DryRun | None:
+def _probe(
+    model: nn.Module, units: Sequence[Unit], example_inputs: Sequence[Any] | None, where: str
+) -> DryRun | None:
     """The dry run's findings: run now on ``example_inputs``, or reused; None if none ran yet."""
     if example_inputs is not None:
         args = _as_args(example_inputs)
         if len(args) != 1:
             raise TypeError(
-                f"auto_checkpoint: an nn.Sequential takes one input, got {len(args)} example "
+                f"{where}: an nn.Sequential takes one input, got {len(args)} example "
                 f"inputs. Pass example_inputs=(x,)."
             )
         with dry_run_state(model, args[0]):
-            return find_unsafe_boundaries(units, args[0])
+            return probe_units(units, args[0])
     fwd = _installed(model)
     if fwd is not None and fwd.probe is not None and _same_units(fwd.units, units):
         return fwd.probe
@@ -316,7 +308,7 @@ class CheckpointedForward:
 
     def _dry_run(self, x: Any) -> None:
         with dry_run_state(self.model, x):
-            self.probe = find_unsafe_boundaries(self.units, x)
+            self.probe = probe_units(self.units, x)
         chain = build_chain(self.plan.walker, self.units, self.probe)
         if isinstance(self.spec, Plan) or self.spec is None:
             if chain.names == self.plan.stage_names and not (

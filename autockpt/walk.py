@@ -10,7 +10,7 @@ NOTE [In-place boundaries]
     place (``ReLU(inplace=True)``, ``x.add_()``): the checkpoint keeps that input to
     replay the segment, and the mutation would corrupt it. We find such modules twice:
     statically (an ``inplace=True`` attribute) and by a dry run that watches tensor
-    version counters (:func:`find_unsafe_boundaries`). A module found either way is fused
+    version counters (:func:`probe_units`). A module found either way is fused
     with its predecessor into one stage, so planners only ever see safe boundaries.
 """
 
@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from autockpt.errors import AutockptError
 
-__all__ = ["Chain", "DryRun", "Stage", "Unit", "build_chain", "find_unsafe_boundaries", "sequential_units"]
+__all__ = ["Chain", "DryRun", "Stage", "Unit", "build_chain", "probe_units", "sequential_units"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,7 +102,7 @@ def is_sequential_model(model: nn.Module) -> bool:
     return isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward
 
 
-def sequential_units(model: nn.Module) -> tuple[Unit, ...]:
+def sequential_units(model: nn.Module, *, where: str = "sequential walker") -> tuple[Unit, ...]:
     """The leaf modules ``model(x)`` calls, in order, nested plain Sequentials flattened.
 
     Raises:
@@ -110,8 +110,8 @@ def sequential_units(model: nn.Module) -> tuple[Unit, ...]:
     """
     if not is_sequential_model(model):
         raise AutockptError(
-            f"sequential walker: {type(model).__name__} is not an nn.Sequential with the stock "
-            f"forward. Wrap its layers in nn.Sequential."
+            f"{where}: {type(model).__name__} is not an nn.Sequential; only Sequential models "
+            f"can be walked so far. Put its layers in an nn.Sequential."
         )
     units: list[Unit] = []
     _flatten(model, "", units)
@@ -202,7 +202,7 @@ class DryRun:
     input_bytes: tuple[int, ...]
 
 
-def find_unsafe_boundaries(units: Sequence[Unit], x: Any) -> DryRun:
+def probe_units(units: Sequence[Unit], x: Any) -> DryRun:
     """Dry-run ``units`` on ``x``: find inputs modified in place, and measure every input.
 
     Index ``j`` is returned when running any unit ``i >= j`` changes the version counter
