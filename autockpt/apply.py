@@ -25,10 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from autockpt.blocks import BlockCall, BlockForward
 from autockpt.errors import AutockptError
 from autockpt.plan import Plan, Segment
 from autockpt.planners import PlanRequest, get_planner, run_planner
-from autockpt.planners.basic import uniform_plan
+from autockpt.planners.basic import sqrt_segment_count, uniform_plan
 from autockpt.planners.registry import Planner
 from autockpt.runtime import SegmentRuntime, build_runtime, dry_run_state, run_segments
 from autockpt.walk import (
@@ -38,8 +39,8 @@ from autockpt.walk import (
     build_chain,
     chain_from_names,
     probe_units,
-    sequential_units,
 )
+from autockpt.walkers import Walked, walk
 
 __all__ = ["apply_plan", "auto_checkpoint", "make_plan", "restore"]
 
@@ -53,6 +54,7 @@ def auto_checkpoint(
     segments: SegmentsSpec = "sqrt",
     *,
     example_inputs: Sequence[Any] | None = None,
+    mode: str | None = None,
 ) -> nn.Module:
     """Checkpoint ``model`` in place so training keeps fewer activations alive.
 
@@ -62,13 +64,18 @@ def auto_checkpoint(
     the plan. Under ``torch.no_grad()`` or ``inference_mode`` the original forward runs.
 
     Args:
-        model: an ``nn.Sequential`` (nested Sequentials are flattened).
+        model: any module. An ``nn.Sequential`` is walked directly (nested ones are
+            flattened), anything else is traced with ``torch.fx`` and cut where one tensor
+            crosses, and an untraceable model gets its repeated blocks checkpointed.
         segments: ``"sqrt"`` (``ceil(sqrt(n))`` segments), an int number of segments,
             ``"none"``, another registered planner name, a callable planner, or a
             :class:`Plan`. All segments but the last are recomputed in backward.
         example_inputs: positional inputs for a dry run that finds modules which modify
             their input in place; without them the dry run happens on the first training
             forward.
+        mode: force a walker: ``"sequential"``, ``"graph"`` or ``"blocks"``. With the
+            block walker, ``"sqrt"`` and an int ``k`` mean ``k`` (or ``ceil(sqrt(n))``)
+            evenly spread blocks are checkpointed, each on its own.
 
     Returns:
         ``model`` itself.
@@ -87,11 +94,11 @@ def auto_checkpoint(
     """
     _check_module(model, "auto_checkpoint")
     _check_spec(segments, "auto_checkpoint")
-    units = sequential_units(model, where="auto_checkpoint")
-    probe = _probe(model, units, example_inputs, "auto_checkpoint")
-    chain = build_chain("sequential", units, probe)
-    plan = plan_chain(chain, segments, where="auto_checkpoint")
-    _install(model, units, chain, plan, segments, probe)
+    walked = walk(model, mode, where="auto_checkpoint")
+    probe = _probe(model, walked, example_inputs, "auto_checkpoint")
+    chain = build_chain(walked.walker, walked.units, probe)
+    plan = plan_chain(chain, segments, where="auto_checkpoint", notes=walked.notes)
+    _install(model, walked, chain, plan, segments, probe)
     return model
 
 
@@ -100,6 +107,7 @@ def make_plan(
     segments: SegmentsSpec = "sqrt",
     *,
     example_inputs: Sequence[Any] | None = None,
+    mode: str | None = None,
 ) -> Plan:
     """The plan ``auto_checkpoint(model, segments, ...)`` would apply, without applying it.
 
@@ -115,17 +123,18 @@ def make_plan(
     """
     _check_module(model, "make_plan")
     _check_spec(segments, "make_plan")
-    units = sequential_units(model, where="make_plan")
-    probe = _probe(model, units, example_inputs, "make_plan")
-    return plan_chain(build_chain("sequential", units, probe), segments, where="make_plan")
+    walked = walk(model, mode, where="make_plan")
+    probe = _probe(model, walked, example_inputs, "make_plan")
+    chain = build_chain(walked.walker, walked.units, probe)
+    return plan_chain(chain, segments, where="make_plan", notes=walked.notes)
 
 
 def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     """Checkpoint ``model`` in place with exactly ``plan`` (see :meth:`Plan.apply`)."""
     _check_module(model, "Plan.apply")
-    units = sequential_units(model, where="Plan.apply")
-    chain = chain_from_names(plan.walker, units, plan.stage_names)
-    _install(model, units, chain, plan, plan, _probe(model, units, None, "Plan.apply"))
+    walked = walk(model, plan.walker, where="Plan.apply")
+    chain = chain_from_names(plan.walker, walked.units, plan.stage_names)
+    _install(model, walked, chain, plan, plan, _probe(model, walked, None, "Plan.apply"))
     return model
 
 
@@ -148,6 +157,7 @@ def restore(model: nn.Module) -> nn.Module:
             f"restore: this {type(model).__name__} is not checkpointed by autockpt, so there is "
             f"nothing to restore. Call autockpt.auto_checkpoint(model) first."
         )
+    fwd.remove_blocks()
     del model.__dict__["forward"]
     if fwd.original_forward is not None:
         model.__dict__["forward"] = fwd.original_forward
@@ -157,11 +167,12 @@ def restore(model: nn.Module) -> nn.Module:
 # --- planning -------------------------------------------------------------------------
 
 
-def plan_chain(chain: Chain, spec: SegmentsSpec, *, where: str) -> Plan:
+def plan_chain(chain: Chain, spec: SegmentsSpec, *, where: str, notes: Sequence[str] = ()) -> Plan:
     """Turn a chain and a ``segments`` argument into a :class:`Plan`.
 
     Selection order: a Plan passes through (its stages must match); an int is a segment
     count; a string names a registered planner; any other callable is a custom planner.
+    For the block walker the segments are single blocks (see :func:`_block_segments`).
     """
     n = len(chain.stages)
     if n == 0:
@@ -185,13 +196,19 @@ def plan_chain(chain: Chain, spec: SegmentsSpec, *, where: str) -> Plan:
                 f"Use 1 <= segments <= {n}, or segments='sqrt'."
             )
         segments, strategy = uniform_plan(n, spec), str(spec)
+        if chain.walker == "blocks":
+            segments = _spread(n, spec)
+    elif isinstance(spec, str) and chain.walker == "blocks" and spec.strip().lower() == "sqrt":
+        segments, strategy = _spread(n, sqrt_segment_count(n)), "sqrt"
     elif isinstance(spec, str):
         segments = run_planner(get_planner(spec, where=where), request, where=where)
         strategy = spec.strip().lower()
     else:
         segments = run_planner(spec, request, where=where)
         strategy = getattr(spec, "__name__", type(spec).__name__)
-    notes = list(_fusion_notes(chain))
+    if chain.walker == "blocks":
+        segments = _per_block(n, segments)
+    notes = [*notes, *_fusion_notes(chain)]
     if chain.first_unit_unsafe and segments[0].checkpoint:
         segments = (Segment(segments[0].start, segments[0].stop, False), *segments[1:])
         notes.append("the first stage modifies the model input in place, so segment 0 is not checkpointed")
@@ -212,6 +229,21 @@ def plan_chain(chain: Chain, spec: SegmentsSpec, *, where: str) -> Plan:
         warnings.warn(msg, UserWarning, stacklevel=3)
         plan = Plan(**{**plan.__dict__, "notes": (*plan.notes, msg)})
     return plan
+
+
+def _spread(n: int, k: int) -> tuple[Segment, ...]:
+    """One segment per block, ``k`` of them checkpointed and evenly spread."""
+    chosen = {(2 * i + 1) * n // (2 * k) for i in range(k)}
+    return tuple(Segment(i, i + 1, i in chosen) for i in range(n))
+
+
+def _per_block(n: int, segments: Sequence[Segment]) -> tuple[Segment, ...]:
+    """Blocks are checkpointed one by one: a block is checkpointed if its segment was."""
+    flags = [False] * n
+    for seg in segments:
+        for i in range(seg.start, seg.stop):
+            flags[i] = seg.checkpoint
+    return tuple(Segment(i, i + 1, flags[i]) for i in range(n))
 
 
 def _fusion_notes(chain: Chain) -> list[str]:
@@ -238,22 +270,34 @@ def _check_spec(spec: object, where: str) -> None:
 
 
 def _probe(
-    model: nn.Module, units: Sequence[Unit], example_inputs: Sequence[Any] | None, where: str
+    model: nn.Module, walked: Walked, example_inputs: Sequence[Any] | None, where: str
 ) -> DryRun | None:
-    """The dry run's findings: run now on ``example_inputs``, or reused; None if none ran yet."""
+    """The dry run's findings: run now on ``example_inputs``, or reused; None if none ran yet.
+
+    The block walker has no dry run: each block is checkpointed alone and keeps its inputs.
+    """
+    if walked.walker == "blocks":
+        return None
     if example_inputs is not None:
-        args = _as_args(example_inputs)
-        if len(args) != 1:
-            raise TypeError(
-                f"{where}: an nn.Sequential takes one input, got {len(args)} example "
-                f"inputs. Pass example_inputs=(x,)."
-            )
-        with dry_run_state(model, args[0]):
-            return probe_units(units, args[0])
+        x = _entry_value(walked, _as_args(example_inputs), {}, where)
+        with dry_run_state(model, x):
+            return probe_units(walked.units, x)
     fwd = _installed(model)
-    if fwd is not None and fwd.probe is not None and _same_units(fwd.units, units):
+    if fwd is not None and fwd.probe is not None and _same_units(fwd.units, walked.units):
         return fwd.probe
     return None
+
+
+def _entry_value(walked: Walked, args: tuple[Any, ...], kwargs: dict[str, Any], where: str) -> Any:
+    """What the chain's first unit receives: the input, or for a graph the dict of inputs."""
+    if walked.program is not None:
+        return walked.program.bind(args, kwargs)
+    if len(args) != 1 or kwargs:
+        raise TypeError(
+            f"{where}: an nn.Sequential takes one input, got {len(args)} example "
+            f"inputs. Pass example_inputs=(x,)."
+        )
+    return args[0]
 
 
 def _as_args(example_inputs: Sequence[Any] | Any) -> tuple[Any, ...]:
@@ -263,7 +307,7 @@ def _as_args(example_inputs: Sequence[Any] | Any) -> tuple[Any, ...]:
 
 
 def _same_units(a: Sequence[Unit], b: Sequence[Unit]) -> bool:
-    return len(a) == len(b) and all(x.name == y.name and x.module is y.module for x, y in zip(a, b))
+    return len(a) == len(b) and all(x.name == y.name and x.fn is y.fn for x, y in zip(a, b))
 
 
 # --- the installed forward ------------------------------------------------------------
@@ -277,7 +321,7 @@ class CheckpointedForward:
     def __init__(
         self,
         model: nn.Module,
-        units: tuple[Unit, ...],
+        walked: Walked,
         chain: Chain,
         plan: Plan,
         spec: SegmentsSpec,
@@ -285,12 +329,41 @@ class CheckpointedForward:
         original_forward: Callable[..., Any] | None,
     ) -> None:
         self.model = model
-        self.units = units
+        self.walked = walked
         self.plan = plan
         self.spec = spec
         self.probe = probe
         self.original_forward = original_forward
-        self.runtime: tuple[SegmentRuntime, ...] = build_runtime(plan.segments, chain.stages)
+        self.blocks: list[nn.Module] = []
+        self.runtime: tuple[SegmentRuntime, ...] = ()
+        self._bind(chain)
+
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        """The walker's units, before fusion."""
+        return self.walked.units
+
+    def _bind(self, chain: Chain) -> None:
+        """Build the runtime for the current plan; for blocks, install their forwards."""
+        self.runtime = build_runtime(self.plan.segments, chain.stages)
+        if self.walked.walker != "blocks":
+            return
+        self.remove_blocks()
+        for rt in self.runtime:
+            if rt.segment.checkpoint:
+                (unit,) = rt.stages[0].units
+                call = unit.fn
+                assert isinstance(call, BlockCall)
+                call.block.__dict__["forward"] = BlockForward(rt, call)
+                self.blocks.append(call.block)
+
+    def remove_blocks(self) -> None:
+        """Give checkpointed blocks their own forward back."""
+        for block in self.blocks:
+            fwd = block.__dict__.pop("forward", None)
+            if isinstance(fwd, BlockForward) and fwd.call.original is not None:
+                block.__dict__["forward"] = fwd.call.original
+        self.blocks = []
 
     def _plain(self, *args: Any, **kwargs: Any) -> Any:
         if self.original_forward is not None:
@@ -298,13 +371,23 @@ class CheckpointedForward:
         return type(self.model).forward(self.model, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or self.plan.checkpointed_segments == 0:
+        if (
+            not torch.is_grad_enabled()
+            or self.plan.checkpointed_segments == 0
+            or self.walked.walker == "blocks"  # the blocks checkpoint themselves
+        ):
             return self._plain(*args, **kwargs)
-        if len(args) != 1 or kwargs:
-            return self._plain(*args, **kwargs)  # let the model raise its own TypeError
+        program = self.walked.program
+        if program is None:
+            if len(args) != 1 or kwargs:
+                return self._plain(*args, **kwargs)  # let the model raise its own TypeError
+            x = args[0]
+        else:
+            x = program.bind(args, kwargs)
         if self.probe is None:
-            self._dry_run(args[0])
-        return run_segments(self.runtime, args[0])
+            self._dry_run(x)
+        out = run_segments(self.runtime, x)
+        return out if program is None else program.result(out)
 
     def _dry_run(self, x: Any) -> None:
         with dry_run_state(self.model, x):
@@ -332,11 +415,11 @@ class CheckpointedForward:
                 stacklevel=4,
             )
             spec = n
-        plan = plan_chain(chain, spec, where="auto_checkpoint")
+        plan = plan_chain(chain, spec, where="auto_checkpoint", notes=self.walked.notes)
         if plan != self.plan:
             logger.info("autockpt: re-planned %r after the dry run", spec)
             self.plan = plan
-            self.runtime = build_runtime(plan.segments, chain.stages)
+            self._bind(chain)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -356,12 +439,14 @@ def _installed(model: nn.Module) -> CheckpointedForward | None:
 
 def _install(
     model: nn.Module,
-    units: tuple[Unit, ...],
+    walked: Walked,
     chain: Chain,
     plan: Plan,
     spec: SegmentsSpec,
     probe: DryRun | None,
 ) -> None:
     previous = _installed(model)
+    if previous is not None:
+        previous.remove_blocks()
     original = previous.original_forward if previous is not None else model.__dict__.get("forward")
-    model.__dict__["forward"] = CheckpointedForward(model, units, chain, plan, spec, probe, original)
+    model.__dict__["forward"] = CheckpointedForward(model, walked, chain, plan, spec, probe, original)

@@ -88,8 +88,9 @@ _RNG_FREE: frozenset[type] = frozenset(
 
 def rng_free_modules(stages: Sequence[Stage]) -> tuple[nn.Module, ...] | None:
     """The modules of ``stages`` if all are stock RNG-free types, else ``None``."""
-    mods = [m for stage in stages for unit in stage.units for m in unit.module.modules()]
-    if all(type(m) in _RNG_FREE and "forward" not in m.__dict__ for m in mods):
+    units = [unit for stage in stages for unit in stage.units]
+    mods = [m for unit in units for top in unit.modules for m in top.modules()]
+    if all(u.pure for u in units) and all(type(m) in _RNG_FREE and "forward" not in m.__dict__ for m in mods):
         return tuple(mods)
     return None
 
@@ -109,7 +110,7 @@ def segment_buffers(stages: Sequence[Stage]) -> tuple[BufferSlot, ...]:
     out: list[BufferSlot] = []
     for stage in stages:
         for unit in stage.units:
-            for module in unit.module.modules():
+            for module in (m for top in unit.modules for m in top.modules()):
                 for name in module._buffers:
                     key = (id(module), name)
                     if key not in seen:

@@ -16,7 +16,7 @@ NOTE [In-place boundaries]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +31,29 @@ __all__ = ["Chain", "DryRun", "Stage", "Unit", "build_chain", "probe_units", "se
 
 @dataclass(frozen=True, eq=False)
 class Unit:
-    """One leaf module call of the chain, named by its path in the model."""
+    """The smallest piece of a chain: a callable from the value before it to the value after.
+
+    Attributes:
+        name: where it sits in the model (a module path such as ``"layer1.0"``).
+        fn: the callable; for the sequential walker the module itself.
+        modules: the modules it calls (their buffers are replayed, their types tell
+            whether it may draw random numbers).
+        kind: a short description (module class names).
+        mutates_input: known to modify its input in place (no boundary in front).
+        pure: all work outside ``modules`` is known to draw no random numbers.
+    """
 
     name: str
-    module: nn.Module
+    fn: Callable[[Any], Any]
+    modules: tuple[nn.Module, ...]
+    kind: str
+    mutates_input: bool = False
+    pure: bool = True
+
+    @classmethod
+    def of_module(cls, name: str, module: nn.Module) -> Unit:
+        """A unit that calls one module (hooks included)."""
+        return cls(name, module, (module,), type(module).__name__, getattr(module, "inplace", False) is True)
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,11 +70,11 @@ class Stage:
     @property
     def kind(self) -> str:
         """Unit module classes joined by ``+``."""
-        return "+".join(type(u.module).__name__ for u in self.units)
+        return "+".join(u.kind for u in self.units)
 
     def __call__(self, x: Any) -> Any:
         for unit in self.units:
-            x = unit.module(x)
+            x = unit.fn(x)
         return x
 
 
@@ -126,11 +145,7 @@ def _flatten(seq: nn.Module, prefix: str, out: list[Unit]) -> None:
         if _is_plain_sequential(module):
             _flatten(module, path + ".", out)
         else:
-            out.append(Unit(path, module))
-
-
-def _declares_inplace(module: nn.Module) -> bool:
-    return getattr(module, "inplace", False) is True
+            out.append(Unit.of_module(path, module))
 
 
 def build_chain(walker: str, units: Sequence[Unit], probe: DryRun | None = None) -> Chain:
@@ -142,7 +157,7 @@ def build_chain(walker: str, units: Sequence[Unit], probe: DryRun | None = None)
         probe: the dry run's findings, if one ran. Units that declare ``inplace=True`` are
             unsafe boundaries in any case.
     """
-    bad = set(probe.unsafe if probe else ()) | {j for j, u in enumerate(units) if _declares_inplace(u.module)}
+    bad = set(probe.unsafe if probe else ()) | {j for j, u in enumerate(units) if u.mutates_input}
     groups: list[list[Unit]] = []
     starts: list[int] = []
     for j, unit in enumerate(units):
@@ -223,7 +238,7 @@ def probe_units(units: Sequence[Unit], x: Any) -> DryRun:
         sizes.append(sum({_storage_key(t): t.untyped_storage().nbytes() for t in inputs}.values()))
         watched = [w for w in watched if _storage_key(w[1]) in keys]
         watched.extend((i, t, t._version) for t in inputs)
-        value = _detach(unit.module(value))
+        value = _detach(unit.fn(value))
         for j, t, version in watched:
             if t._version != version:
                 unsafe.add(j)

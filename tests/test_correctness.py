@@ -380,7 +380,7 @@ def test_applying_twice_replaces_the_plan_and_never_stacks() -> None:  # [31]
 def test_deepcopy_is_independent_and_still_checkpointed() -> None:  # [32]
     model = autockpt.auto_checkpoint(bn_dropout_chain(), 3)
     clone = copy.deepcopy(model)
-    assert clone.forward.model is clone and clone.forward.runtime[0].stages[0].units[0].module is clone[0]
+    assert clone.forward.model is clone and clone.forward.runtime[0].stages[0].units[0].fn is clone[0]
     with count_checkpoint_calls() as spy:
         step(clone, torch.randn(4, 5, dtype=D))
     assert spy.call_count == 2

@@ -12,6 +12,17 @@ from torch import nn
 import autockpt
 
 
+class Untraceable(nn.Module):
+    """Data-dependent control flow and no repeated blocks: no walker applies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) if x.sum() > 0 else self.b(x)
+
+
 def small() -> nn.Sequential:
     return nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2), nn.Tanh())
 
@@ -26,7 +37,12 @@ CASES: list[tuple[Any, Any, type[Exception], list[str]]] = [
     (small, "sqr", ValueError, ["'sqr'", "Did you mean 'sqrt'?", "'none'"]),
     (small, None, TypeError, ["NoneType None"]),
     (lambda: nn.Sequential(), "sqrt", autockpt.AutockptError, ["no modules", "at least one layer"]),
-    (lambda: nn.Linear(2, 2), "sqrt", autockpt.AutockptError, ["Linear is not an nn.Sequential"]),
+    (
+        Untraceable,
+        "sqrt",
+        autockpt.AutockptError,
+        ["cannot walk Untraceable", "could not trace", "no ModuleList"],
+    ),
     (lambda: "not a model", "sqrt", TypeError, ["expected a torch.nn.Module, got str"]),
 ]
 
@@ -80,3 +96,17 @@ def test_sequential_input_count_is_checked_like_sequential() -> None:
         model(torch.randn(1, 2), torch.randn(1, 2))
     with pytest.raises(TypeError, match="one input"):
         autockpt.make_plan(small(), example_inputs=(torch.randn(1, 2), torch.randn(1, 2)))
+
+
+def test_bad_mode_lists_the_walkers() -> None:
+    with pytest.raises(
+        ValueError, match=re.escape("mode='fx' is not a walker. Use one of 'sequential', 'graph', 'blocks'")
+    ):
+        autockpt.auto_checkpoint(small(), mode="fx")
+
+
+def test_forced_walker_that_does_not_apply_says_why() -> None:
+    with pytest.raises(
+        autockpt.AutockptError, match=re.escape("sequential walker: Untraceable is not an nn.Sequential")
+    ):
+        autockpt.make_plan(Untraceable(), mode="sequential")

@@ -1,0 +1,90 @@
+"""The block walker: for models fx cannot trace, checkpoint their repeated blocks.
+
+Data-dependent control flow or HF-style wrappers defeat tracing, but such models are
+almost always a stack of identical blocks (transformer layers, residual blocks) held in a
+``ModuleList`` or ``Sequential``. Each block becomes one stage and is checkpointed on its
+own, by giving the block object an instance ``forward`` (as ``auto_checkpoint`` does for
+the root), so no module is wrapped or renamed. The rest of the model runs as written.
+
+Which blocks: among all groups of two or more same-class children of one ``ModuleList`` or
+``Sequential``, the groups holding the most parameters are taken first, skipping groups
+inside or around a block already taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from autockpt.runtime import SegmentRuntime, run_segments
+from autockpt.walk import Unit
+
+__all__ = ["BlockCall", "BlockForward", "find_blocks"]
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks of ``model`` with their paths, in registration order."""
+    groups: list[list[tuple[str, nn.Module]]] = []
+    for path, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        by_class: dict[type, list[tuple[str, nn.Module]]] = {}
+        for name, child in container.named_children():
+            by_class.setdefault(type(child), []).append((f"{path}.{name}" if path else name, child))
+        groups.extend(g for g in by_class.values() if len(g) >= 2 and _weight(g) > 0)
+    groups.sort(key=lambda g: (-_weight(g), -len(g)))
+    taken: list[tuple[str, nn.Module]] = []
+    for group in groups:
+        if any(_related(p, q) for p, _ in group for q, _ in taken):
+            continue
+        taken.extend(group)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(taken, key=lambda item: order[item[0]])
+
+
+def _weight(group: list[tuple[str, nn.Module]]) -> int:
+    return sum(p.numel() for _, m in group for p in m.parameters())
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+class BlockCall:
+    """Runs one block's own forward on ``(args, kwargs)``, bypassing autockpt's."""
+
+    def __init__(self, block: nn.Module, original: Callable[..., Any] | None) -> None:
+        self.block = block
+        self.original = original
+
+    def __call__(self, carry: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        args, kwargs = carry
+        if self.original is not None:
+            return self.original(*args, **kwargs)
+        return type(self.block).forward(self.block, *args, **kwargs)
+
+
+def block_unit(name: str, block: nn.Module) -> Unit:
+    """A unit for one block; its in-place behaviour is not probed (see docs/design.md)."""
+    previous = block.__dict__.get("forward")
+    if isinstance(previous, BlockForward):  # planned again: call what was there before us
+        previous = previous.call.original
+    return Unit(name, BlockCall(block, previous), (block,), type(block).__name__)
+
+
+class BlockForward:
+    """What a checkpointed block's ``forward`` is: a checkpoint around its own forward."""
+
+    _autockpt_forward = True
+
+    def __init__(self, runtime: SegmentRuntime, call: BlockCall) -> None:
+        self.runtime = runtime
+        self.call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.call((args, kwargs))
+        return run_segments((self.runtime,), (args, kwargs))

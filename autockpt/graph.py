@@ -1,0 +1,304 @@
+"""The graph walker: any traceable model, cut into a chain where one tensor crosses.
+
+``torch.fx.symbolic_trace`` turns the forward into a list of nodes. A cut between two
+nodes is a *candidate* when exactly one activation is alive across it (an articulation
+point of the data flow, e.g. between residual blocks). Values that every later part may
+read without costing extra memory do not count: model inputs, parameters, values computed
+from those alone by plain functions (attention masks, position ids), and values whose only
+reader is the model's output (auxiliary logits). Nodes between two candidate cuts form one
+:class:`~autockpt.walk.Unit`, so glue code (residual adds, reshapes, ``getitem``) stays with
+the block that owns it.
+
+At run time the value carried from unit to unit is a dict of the live values by node name,
+so the sequential runtime (segments, checkpointing, buffers, RNG) works unchanged: a
+checkpointed segment receives exactly the values crossing its first cut and returns exactly
+those crossing its last.
+
+Complexity: O(nodes) to find the cuts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from autockpt.walk import Unit
+
+__all__ = ["GraphProgram", "trace_units"]
+
+# Functions and methods that draw no random numbers; anything else in a unit makes the
+# runtime keep torch's RNG stash for it (see runtime._RNG_FREE).
+_PURE_FUNCTIONS = {
+    operator.add, operator.iadd, operator.mul, operator.imul, operator.sub, operator.truediv,
+    operator.getitem, operator.matmul, operator.neg, getattr,
+    torch.flatten, torch.cat, torch.stack, torch.add, torch.mul, torch.matmul, torch.relu,
+    torch.tanh, torch.sigmoid, torch.softmax, torch.arange, torch.ones, torch.zeros, torch.tril,
+    torch.transpose, torch.permute, torch.reshape, torch.chunk, torch.split,
+    nn.functional.relu, nn.functional.gelu, nn.functional.silu, nn.functional.softmax,
+    nn.functional.layer_norm, nn.functional.linear, nn.functional.adaptive_avg_pool2d,
+    nn.functional.scaled_dot_product_attention,
+}  # fmt: skip
+_PURE_METHODS = {
+    "view", "reshape", "flatten", "size", "dim", "permute", "transpose", "contiguous", "add",
+    "add_", "mul", "mul_", "relu", "relu_", "mean", "sum", "chunk", "split", "unsqueeze",
+    "squeeze", "expand", "masked_fill", "masked_fill_", "softmax", "matmul", "t", "to", "float",
+    "type_as", "__getitem__",
+}  # fmt: skip
+_META_METHODS = {"size", "dim"}
+
+
+@dataclass(frozen=True, eq=False)
+class GraphPiece:
+    """Runs nodes ``[start, stop)`` on a dict of live values and returns the next dict."""
+
+    program: GraphProgram
+    start: int
+    stop: int
+
+    def __call__(self, env: dict[str, Any]) -> dict[str, Any]:
+        return self.program.run(env, self.start, self.stop)
+
+
+class GraphProgram:
+    """A traced forward, runnable node range by node range against the original modules.
+
+    Pickling and deep copies keep only the model and trace it again on first use, so the
+    copy's nodes call the copy's modules.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._ready = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"model": self.model, "_ready": False}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or self.__dict__.get("_ready", True):
+            raise AttributeError(name)
+        self._load(fx.Tracer().trace(self.model))
+        return getattr(self, name)
+
+    def _load(self, graph: fx.Graph) -> None:
+        self._ready = True
+        nodes = list(graph.nodes)
+        self.placeholders = [n for n in nodes if n.op == "placeholder"]
+        self.output = next(n for n in nodes if n.op == "output")
+        self.nodes = [n for n in nodes if n.op not in ("placeholder", "output")]
+        index = {n: i for i, n in enumerate(self.nodes)}
+        end = len(self.nodes)
+        # last position (exclusive) at which each value is still needed
+        self.last_use: dict[str, int] = {}
+        for n in (*self.placeholders, *self.nodes):
+            users = [index.get(u, end) for u in n.users]
+            self.last_use[n.name] = max(users, default=-1) + 1 if users else 0
+        self.index = index
+
+    # --- running ----------------------------------------------------------------------
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Map forward arguments onto the graph's placeholders."""
+        env: dict[str, Any] = {}
+        args_left = list(args)
+        for node in self.placeholders:
+            name = str(node.target)
+            if args_left:
+                env[node.name] = args_left.pop(0)
+            elif name in kwargs:
+                env[node.name] = kwargs[name]
+            elif node.args:
+                env[node.name] = node.args[0]
+            else:
+                raise TypeError(f"{type(self.model).__name__}.forward() missing argument {name!r}")
+        if args_left:
+            raise TypeError(
+                f"{type(self.model).__name__}.forward() got {len(args)} positional arguments, too many"
+            )
+        return {k: v for k, v in env.items() if self.last_use[k] > 0}
+
+    def run(self, env: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+        """Execute nodes ``[start, stop)``; return the values still needed after ``stop``."""
+        env = dict(env)
+        for i in range(start, stop):
+            node = self.nodes[i]
+            env[node.name] = self._execute(node, env)
+            for used in node.all_input_nodes:
+                if self.last_use[used.name] <= i + 1:
+                    env.pop(used.name, None)
+        return {k: v for k, v in env.items() if self.last_use[k] > stop}
+
+    def result(self, env: dict[str, Any]) -> Any:
+        """The forward's return value from the final dict."""
+        return fx.node.map_arg(self.output.args[0], lambda n: env[n.name])
+
+    def _execute(self, node: fx.Node, env: dict[str, Any]) -> Any:
+        args = fx.node.map_arg(node.args, lambda n: env[n.name])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+        if node.op == "call_module":
+            return self.model.get_submodule(str(node.target))(*args, **kwargs)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)  # type: ignore[operator]
+        if node.op == "call_method":
+            self_arg, *rest = args
+            return getattr(self_arg, str(node.target))(*rest, **kwargs)
+        if node.op == "get_attr":
+            attr: Any = self.model
+            for part in str(node.target).split("."):
+                attr = getattr(attr, part)
+            return attr
+        raise AssertionError(f"unexpected fx node op {node.op!r}")
+
+    # --- cutting ----------------------------------------------------------------------
+
+    def _global(self) -> set[str]:
+        """Values that cost nothing extra to pass along (see the module docstring)."""
+        out: set[str] = {n.name for n in self.placeholders}
+        for node in self.nodes:
+            inputs = node.all_input_nodes
+            only_output = bool(node.users) and all(u.op == "output" for u in node.users)
+            meta = node.op == "call_method" and node.target in _META_METHODS
+            derived = node.op in ("call_function", "call_method") and all(i.name in out for i in inputs)
+            if node.op == "get_attr" or only_output or meta or derived:
+                out.add(node.name)
+        return out
+
+    def cuts(self) -> list[int]:
+        """Candidate cut positions (cut before node ``p``), in order, 0 included."""
+        glob = self._global()
+        delta = [0] * (len(self.nodes) + 2)
+        for i, node in enumerate(self.nodes):
+            if node.name in glob:
+                continue
+            last = self.last_use[node.name]
+            if last > i + 1:  # alive across cuts i+1 .. last-1
+                delta[i + 1] += 1
+                delta[last] -= 1
+        cuts, alive = [0], 0
+        for p in range(1, len(self.nodes)):
+            alive += delta[p]
+            if alive <= 1:
+                cuts.append(p)
+        return cuts
+
+    def mutates_before(self, start: int, stop: int) -> bool:
+        """Whether a node in ``[start, stop)`` writes in place into a value defined before ``start``."""
+        for node in self.nodes[start:stop]:
+            target = _mutated_arg(node, self.model)
+            if target is not None and (target.op == "placeholder" or self.index.get(target, start) < start):
+                return True
+        return False
+
+    def piece_modules(self, start: int, stop: int) -> tuple[nn.Module, ...]:
+        seen: dict[int, nn.Module] = {}
+        for node in self.nodes[start:stop]:
+            if node.op == "call_module":
+                mod = self.model.get_submodule(str(node.target))
+                seen.setdefault(id(mod), mod)
+            elif node.op == "get_attr":
+                owner = self.model.get_submodule(str(node.target).rpartition(".")[0])
+                if owner is not self.model:
+                    seen.setdefault(id(owner), owner)
+        return tuple(seen.values())
+
+    def piece_pure(self, start: int, stop: int) -> bool:
+        for node in self.nodes[start:stop]:
+            if node.op == "call_function" and node.target not in _PURE_FUNCTIONS:
+                return False
+            if node.op == "call_method" and node.target not in _PURE_METHODS:
+                return False
+        return True
+
+    def piece_name(self, start: int, stop: int) -> str:
+        paths = [_module_path(n) for n in self.nodes[start:stop]]
+        named = [p for p in paths if p]
+        if not named:
+            return str(self.nodes[start].name)
+        common = named[0].split(".")
+        for p in named[1:]:
+            parts = p.split(".")
+            k = 0
+            while k < min(len(common), len(parts)) and common[k] == parts[k]:
+                k += 1
+            common = common[:k]
+        if common:
+            return ".".join(common)
+        return f"{named[0]}..{named[-1]}" if named[0] != named[-1] else named[0]
+
+    def piece_kind(self, start: int, stop: int) -> str:
+        kinds: list[str] = []
+        for node in self.nodes[start:stop]:
+            if node.op == "call_module":
+                kinds.append(type(self.model.get_submodule(str(node.target))).__name__)
+        if not kinds:
+            return "ops"
+        if len(kinds) > 3:
+            return f"{kinds[0]}..{kinds[-1]} ({len(kinds)} modules)"
+        return "+".join(kinds)
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return str(node.target) if node.op == "call_module" else ""
+    key = list(stack.keys())[-1]
+    value = stack[key]
+    path = value[0] if isinstance(value, tuple) else key
+    return str(path).split("@")[0]
+
+
+def _mutated_arg(node: fx.Node, model: nn.Module) -> fx.Node | None:
+    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if first is None:
+        return None
+    if node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).startswith("__"):
+        return first
+    if node.op == "call_function" and (
+        node.kwargs.get("inplace") is True or node.target in (operator.iadd, operator.imul)
+    ):
+        return first
+    if node.op == "call_module" and getattr(model.get_submodule(str(node.target)), "inplace", False) is True:
+        return first
+    return None
+
+
+def trace_units(model: nn.Module) -> tuple[GraphProgram, tuple[Unit, ...]]:
+    """Trace ``model`` and cut it into units at the candidate cuts.
+
+    Raises:
+        Exception: whatever ``torch.fx.symbolic_trace`` raises for untraceable code.
+    """
+    program = GraphProgram(model)
+    program._load(fx.Tracer().trace(model))
+    cuts = [*program.cuts(), len(program.nodes)]
+    units = []
+    for start, stop in itertools.pairwise(cuts):
+        units.append(
+            Unit(
+                name=program.piece_name(start, stop),
+                fn=GraphPiece(program, start, stop),
+                modules=program.piece_modules(start, stop),
+                kind=program.piece_kind(start, stop),
+                mutates_input=program.mutates_before(start, stop),
+                pure=program.piece_pure(start, stop),
+            )
+        )
+    return program, tuple(_unique_names(units))
+
+
+def _unique_names(units: list[Unit]) -> list[Unit]:
+    """Make unit names unique (a ``+`` would be read as fusion), suffixing repeats."""
+    seen: dict[str, int] = {}
+    out = []
+    for u in units:
+        name = u.name.replace("+", "_")
+        count = seen.get(name, 0)
+        seen[name] = count + 1
+        if count:
+            name = f"{name}#{count}"
+        out.append(Unit(name, u.fn, u.modules, u.kind, u.mutates_input, u.pure))
+    return out
