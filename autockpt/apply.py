@@ -27,6 +27,7 @@ from torch import nn
 
 from autockpt.blocks import BlockCall, BlockForward
 from autockpt.errors import AutockptError
+from autockpt.graph import UnbindableError
 from autockpt.plan import Plan, Segment
 from autockpt.planners import PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import sqrt_segment_count, uniform_plan
@@ -335,6 +336,7 @@ class CheckpointedForward:
         self.probe = probe
         self.original_forward = original_forward
         self.blocks: list[nn.Module] = []
+        self.warned_unbindable = False
         self.runtime: tuple[SegmentRuntime, ...] = ()
         self._bind(chain)
 
@@ -383,11 +385,37 @@ class CheckpointedForward:
                 return self._plain(*args, **kwargs)  # let the model raise its own TypeError
             x = args[0]
         else:
-            x = program.bind(args, kwargs)
+            if program.hooks_added():
+                self._retrace()
+                program = self.walked.program
+                assert program is not None
+            try:
+                x = program.bind(args, kwargs)
+            except UnbindableError as missing:
+                if not self.warned_unbindable:
+                    self.warned_unbindable = True
+                    warnings.warn(
+                        f"auto_checkpoint: {type(self.model).__name__} was traced with "
+                        f"{missing.args[0]!r} given, but it is None now; this call runs without "
+                        f"checkpointing. Pass it, or checkpoint with mode='blocks'.",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+                return self._plain(*args, **kwargs)
         if self.probe is None:
             self._dry_run(x)
         out = run_segments(self.runtime, x)
         return out if program is None else program.result(out)
+
+    def _retrace(self) -> None:
+        """Hooks were added to a module the trace went through: trace again, keeping it whole."""
+        logger.info("autockpt: hooks were added inside %s; tracing again", type(self.model).__name__)
+        self.walked = walk(self.model, "graph", where="auto_checkpoint")
+        self.probe = None
+        chain = build_chain("graph", self.walked.units)
+        spec = self.spec if self.spec is not None and not isinstance(self.spec, Plan) else self.plan.strategy
+        self.plan = plan_chain(chain, _respec(spec, len(chain.stages)), where="auto_checkpoint")
+        self._bind(chain)
 
     def _dry_run(self, x: Any) -> None:
         with dry_run_state(self.model, x):
@@ -430,6 +458,13 @@ class CheckpointedForward:
             except Exception:  # a lambda or local function: keep the plan, drop the recipe
                 state["spec"] = None
         return state
+
+
+def _respec(spec: SegmentsSpec, n: int) -> SegmentsSpec:
+    """A strategy recorded as text ("3", "sqrt") back as an argument, clamped to ``n``."""
+    if isinstance(spec, str) and spec.isdigit():
+        spec = int(spec)
+    return min(spec, n) if isinstance(spec, int) else spec
 
 
 def _installed(model: nn.Module) -> CheckpointedForward | None:

@@ -29,7 +29,12 @@ from torch import fx, nn
 
 from autockpt.walk import Unit
 
-__all__ = ["GraphProgram", "trace_units"]
+__all__ = ["GraphProgram", "UnbindableError", "trace_units"]
+
+
+class UnbindableError(Exception):
+    """An argument is ``None`` where the traced graph computes with it (an optional input)."""
+
 
 # Functions and methods that draw no random numbers; anything else in a unit makes the
 # runtime keep torch's RNG stash for it (see runtime._RNG_FREE).
@@ -38,7 +43,7 @@ _PURE_FUNCTIONS = {
     operator.getitem, operator.matmul, operator.neg, getattr,
     torch.flatten, torch.cat, torch.stack, torch.add, torch.mul, torch.matmul, torch.relu,
     torch.tanh, torch.sigmoid, torch.softmax, torch.arange, torch.ones, torch.zeros, torch.tril,
-    torch.transpose, torch.permute, torch.reshape, torch.chunk, torch.split,
+    torch.transpose, torch.permute, torch.reshape, torch.chunk, torch.split, torch._C._set_grad_enabled,
     nn.functional.relu, nn.functional.gelu, nn.functional.silu, nn.functional.softmax,
     nn.functional.layer_norm, nn.functional.linear, nn.functional.adaptive_avg_pool2d,
     nn.functional.scaled_dot_product_attention,
@@ -81,7 +86,7 @@ class GraphProgram:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or self.__dict__.get("_ready", True):
             raise AttributeError(name)
-        self._load(fx.Tracer().trace(self.model))
+        self._load(_Tracer().trace(self.model))
         return getattr(self, name)
 
     def _load(self, graph: fx.Graph) -> None:
@@ -98,6 +103,18 @@ class GraphProgram:
             users = [index.get(u, end) for u in n.users]
             self.last_use[n.name] = max(users, default=-1) + 1 if users else 0
         self.index = index
+        called = {id(self.model.get_submodule(str(n.target))) for n in self.nodes if n.op == "call_module"}
+        leaves_inside = {id(m) for n in self.nodes if n.op == "call_module"
+                         for m in self.model.get_submodule(str(n.target)).modules()}  # fmt: skip
+        self.traced_through = tuple(
+            m
+            for m in self.model.modules()
+            if m is not self.model and id(m) not in called and id(m) not in leaves_inside
+        )
+
+    def hooks_added(self) -> bool:
+        """Whether a module that tracing went through has gained hooks since (re-trace then)."""
+        return any(has_hooks(m) for m in self.traced_through)
 
     # --- running ----------------------------------------------------------------------
 
@@ -115,6 +132,8 @@ class GraphProgram:
                 env[node.name] = node.args[0]
             else:
                 raise TypeError(f"{type(self.model).__name__}.forward() missing argument {name!r}")
+            if env[node.name] is None and node.users:
+                raise UnbindableError(name)
         if args_left:
             raise TypeError(
                 f"{type(self.model).__name__}.forward() got {len(args)} positional arguments, too many"
@@ -178,10 +197,13 @@ class GraphProgram:
             if last > i + 1:  # alive across cuts i+1 .. last-1
                 delta[i + 1] += 1
                 delta[last] -= 1
-        cuts, alive = [0], 0
+        cuts, alive, grad = [0], 0, True
         for p in range(1, len(self.nodes)):
             alive += delta[p]
-            if alive <= 1:
+            prev = self.nodes[p - 1]
+            if prev.op == "call_function" and prev.target is torch._C._set_grad_enabled:
+                grad = bool(prev.args[0])
+            if alive <= 1 and grad:  # never cut inside a no-grad region
                 cuts.append(p)
         return cuts
 
@@ -204,6 +226,10 @@ class GraphProgram:
                 if owner is not self.model:
                     seen.setdefault(id(owner), owner)
         return tuple(seen.values())
+
+    def calls_module(self, start: int, stop: int) -> bool:
+        """Whether nodes ``[start, stop)`` call a module."""
+        return any(n.op == "call_module" for n in self.nodes[start:stop])
 
     def piece_pure(self, start: int, stop: int) -> bool:
         for node in self.nodes[start:stop]:
@@ -241,6 +267,11 @@ class GraphProgram:
         return "+".join(kinds)
 
 
+def has_hooks(m: nn.Module) -> bool:
+    """Whether ``m`` has forward or backward hooks of its own."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
 def _module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if not stack:
@@ -266,6 +297,33 @@ def _mutated_arg(node: fx.Node, model: nn.Module) -> fx.Node | None:
     return None
 
 
+class _Tracer(fx.Tracer):
+    """``fx.Tracer`` that also records grad-mode switches (``with torch.no_grad():``).
+
+    Plain symbolic tracing drops them, which would make a no-grad region record gradients.
+    Buffers are traced as graph values, so code may slice them with traced sizes.
+    """
+
+    proxy_buffer_attributes = True
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """Modules with hooks stay whole, so their hooks fire as in eager mode."""
+        return super().is_leaf_module(m, module_qualified_name) or has_hooks(m)
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        real = torch._C._set_grad_enabled
+
+        def record(mode: bool) -> None:
+            self.create_proxy("call_function", real, (bool(mode),), {})
+            real(mode)
+
+        torch._C._set_grad_enabled = record  # type: ignore[assignment]
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            torch._C._set_grad_enabled = real
+
+
 def trace_units(model: nn.Module) -> tuple[GraphProgram, tuple[Unit, ...]]:
     """Trace ``model`` and cut it into units at the candidate cuts.
 
@@ -273,8 +331,10 @@ def trace_units(model: nn.Module) -> tuple[GraphProgram, tuple[Unit, ...]]:
         Exception: whatever ``torch.fx.symbolic_trace`` raises for untraceable code.
     """
     program = GraphProgram(model)
-    program._load(fx.Tracer().trace(model))
+    program._load(_Tracer().trace(model))
     cuts = [*program.cuts(), len(program.nodes)]
+    # a piece with no module call (mask arithmetic, reshapes) joins the piece after it
+    cuts = [c for i, c in enumerate(cuts) if i == 0 or c == cuts[-1] or program.calls_module(cuts[i - 1], c)]
     units = []
     for start, stop in itertools.pairwise(cuts):
         units.append(

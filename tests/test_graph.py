@@ -1,0 +1,259 @@
+"""Any model: the graph walker (torch.fx) and the block walker, on real architectures."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torchvision
+from helpers import assert_same_state
+from models_for_tests import GPT, BranchyGPT, ManyOutputs, Pair
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+import autockpt
+
+D = torch.float64
+
+
+def tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, Pair):
+        out = (out.main, out.aux)
+    if isinstance(out, dict):
+        out = [tensors(v) for v in out.values()]
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    leaves = [t for t in tensors(out) if t.requires_grad]
+    return sum((t * torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view(t.shape)).sum() for t in leaves)
+
+
+def same_training(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, steps: int = 2, **plan: Any
+) -> nn.Module:
+    """Checkpointed and unwrapped copies give bitwise equal outputs, grads and buffers."""
+    kwargs = kwargs or {}
+    ref = copy.deepcopy(model)
+    autockpt.auto_checkpoint(model, **plan)
+    for i in range(steps):
+        results = []
+        for m in (ref, model):
+            torch.manual_seed(i)
+            out = m(*args, **kwargs)
+            loss_of(out).backward()
+            results.append((tensors(out), torch.rand(1)))
+        (a, ra), (b, rb) = results
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+        assert torch.equal(ra, rb)
+    assert_same_state(ref, model)
+    return model
+
+
+TORCHVISION: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "resnet18": (lambda: torchvision.models.resnet18(), (2, 3, 32, 32)),
+    "mobilenet_v3_small": (lambda: torchvision.models.mobilenet_v3_small(), (2, 3, 32, 32)),
+    "efficientnet_b0": (lambda: torchvision.models.efficientnet_b0(), (2, 3, 32, 32)),  # stochastic depth
+    "vit_b_16": (lambda: torchvision.models.vit_b_16(image_size=32), (2, 3, 32, 32)),
+    "googlenet": (lambda: torchvision.models.googlenet(aux_logits=True, init_weights=False), (2, 3, 64, 64)),
+}
+
+
+@pytest.mark.parametrize("name", list(TORCHVISION))
+def test_torchvision_gradients_are_exact(name: str) -> None:
+    factory, shape = TORCHVISION[name]
+    torch.manual_seed(0)
+    model = factory().to(D).train()
+    model = same_training(model, (torch.randn(shape, dtype=D),), steps=1)
+    assert model.forward.plan.walker == "graph"
+    assert model.forward.plan.checkpointed_segments >= 2
+
+
+def peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> int:
+    for _ in range(2):  # warm-up, then measure
+        for p in model.parameters():
+            p.grad = None
+        with autockpt.track_memory("cpu", tensors=False) as mem:
+            loss_of(model(*args, **(kwargs or {}))).backward()
+    return mem.peak_bytes
+
+
+MEMORY = {  # float32, activations large enough to dominate parameters and gradients
+    "resnet18": (lambda: torchvision.models.resnet18(), (32, 3, 64, 64)),
+    "mobilenet_v3_small": (lambda: torchvision.models.mobilenet_v3_small(), (32, 3, 64, 64)),
+    "efficientnet_b0": (lambda: torchvision.models.efficientnet_b0(), (16, 3, 64, 64)),
+    "vit_b_16": (lambda: torchvision.models.vit_b_16(image_size=64), (48, 3, 64, 64)),
+    "googlenet": (lambda: torchvision.models.googlenet(aux_logits=True, init_weights=False), (16, 3, 64, 64)),
+}
+
+
+@pytest.mark.parametrize("name", list(MEMORY))
+def test_torchvision_peak_is_below_unwrapped(name: str) -> None:
+    factory, shape = MEMORY[name]
+    torch.manual_seed(0)
+    model = factory().train()
+    x = torch.randn(shape)
+    plain = peak(model, (x,))
+    wrapped = peak(autockpt.auto_checkpoint(model, example_inputs=(x,)), (x,))
+    assert wrapped < plain, (wrapped, plain)
+
+
+def gpt_inputs(batch: int = 2, t: int = 16, vocab: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.randint(0, vocab, (batch, t))
+    mask = torch.ones(batch, t, dtype=D)
+    mask[-1, t // 2 :] = 0
+    return idx, mask
+
+
+@pytest.mark.parametrize("mode", ["graph", "blocks"])
+def test_gpt_decoder_is_exact_through_either_walker(mode: str) -> None:
+    idx, mask = gpt_inputs()
+    model = same_training(GPT().to(D), (idx,), {"attention_mask": mask}, steps=2, mode=mode)
+    plan = model.forward.plan
+    assert plan.walker == mode and plan.checkpointed_segments >= 2
+    assert model.head.weight is model.tok.weight
+
+
+@pytest.mark.parametrize("mode", ["graph", "blocks"])
+def test_gpt_decoder_peak_is_below_unwrapped(mode: str) -> None:
+    torch.manual_seed(0)
+    model = GPT(width=64, layers=6, heads=4, context=128)
+    idx = torch.randint(0, 50, (8, 128))
+    mask = torch.ones(8, 128)
+    plain = peak(model, (idx,), {"attention_mask": mask})
+    autockpt.auto_checkpoint(model, mode=mode)
+    assert peak(model, (idx,), {"attention_mask": mask}) < plain
+
+
+def test_untraceable_model_falls_back_to_blocks_and_says_why() -> None:
+    idx, mask = gpt_inputs()
+    model = same_training(BranchyGPT().to(D), (idx,), {"attention_mask": mask})
+    plan = model.forward.plan
+    assert plan.walker == "blocks"
+    assert plan.stage_names == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    assert any("graph walker: torch.fx could not trace it" in n for n in plan.notes)
+    assert "graph walker" in str(plan)
+    assert sum(1 for b in model.blocks if "forward" in vars(b)) == plan.checkpointed_segments == 2
+
+
+@pytest.mark.parametrize(
+    ("segments", "expected"), [(1, [2]), (2, [1, 3]), (4, [0, 1, 2, 3]), ("sqrt", [1, 3])]
+)
+def test_block_counts_are_evenly_spread(segments: Any, expected: list[int]) -> None:
+    plan = autockpt.make_plan(BranchyGPT(), segments, mode="blocks")
+    assert [s.start for s in plan.segments if s.checkpoint] == expected
+
+
+def test_restore_removes_block_forwards_and_reapplying_does_not_stack() -> None:
+    model = BranchyGPT()
+    keys = list(model.state_dict())
+    autockpt.auto_checkpoint(model, 4)
+    autockpt.auto_checkpoint(model, 2)
+    assert sum("forward" in vars(b) for b in model.blocks) == 2
+    autockpt.restore(model)
+    assert not any("forward" in vars(b) for b in (model, *model.blocks))
+    assert list(model.state_dict()) == keys
+
+
+def test_a_single_linear_gets_an_explicit_noop_plan_with_a_warning() -> None:
+    with pytest.warns(UserWarning, match="single stage"):
+        model = autockpt.auto_checkpoint(nn.Linear(3, 3))
+    assert model.forward.plan.walker == "graph" and model.forward.plan.checkpointed_segments == 0
+    x = torch.randn(2, 3)
+    assert torch.equal(model(x), nn.Linear.forward(model, x))
+
+
+@pytest.mark.parametrize("segments", [2, 3, 4])
+def test_calling_conventions_and_nested_outputs(segments: int) -> None:  # items 12, 13
+    x, y = torch.randn(3, 4, dtype=D), torch.randn(3, 2, dtype=D)
+    model = same_training(ManyOutputs().to(D), (x, y), {"scale": 0.5}, segments=segments)
+    out = model(x, y, scale=0.5)
+    assert isinstance(out["tail"], Pair) and out["pair"][1] is None
+    assert not out["stats"].requires_grad  # the no-grad region stays no-grad
+
+
+def make_pair() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(5, 5), nn.Tanh())]).to(D)
+    ref = copy.deepcopy(model)
+
+    class Wrapped(nn.Module):  # not a Sequential: goes through the graph walker
+        def __init__(self, body: nn.Module) -> None:
+            super().__init__()
+            self.body = body
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x) * 2
+
+    return Wrapped(ref), autockpt.auto_checkpoint(Wrapped(model), 3)
+
+
+def test_autograd_grad_backward_inputs_double_backward_and_retain_graph() -> None:  # item 14
+    ref, ck = make_pair()
+    assert ck.forward.plan.walker == "graph"
+    x = torch.randn(4, 5, dtype=D, requires_grad=True)
+    results = []
+    for m in (ref, ck):
+        out = m(x).sum()
+        (gx,) = torch.autograd.grad(out, x, create_graph=True)
+        penalty = gx.square().sum()  # gradient penalty: double backward
+        penalty.backward(inputs=list(m.parameters()))
+        first = [p.grad.clone() for p in m.parameters()]
+        out2 = m(x).sum()
+        out2.backward(retain_graph=True)
+        out2.backward()
+        results.append((gx.detach(), first, [p.grad.clone() for p in m.parameters()]))
+    (a, fa, ga), (b, fb, gb) = results
+    assert torch.equal(a, b)
+    assert all(torch.equal(p, q) for p, q in zip(fa, fb))
+    assert all(torch.equal(p, q) for p, q in zip(ga, gb))
+
+
+def test_tied_weights_accumulate_once_per_step() -> None:  # item 16
+    idx, mask = gpt_inputs()
+    model = autockpt.auto_checkpoint(GPT().to(D))
+    fired: list[str] = []
+    model.tok.weight.register_post_accumulate_grad_hook(lambda p: fired.append("tok"))
+    loss_of(model(idx, attention_mask=mask)).backward()
+    assert fired == ["tok"]
+
+
+def test_hooks_guarded_by_is_recomputing_fire_once_per_position() -> None:  # item 25
+    idx, mask = gpt_inputs()
+    model = autockpt.auto_checkpoint(GPT().to(D), example_inputs=(idx, mask))
+    seen: list[str] = []
+    backward: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.LayerNorm):
+            module.register_forward_hook(
+                lambda m, a, o, name=name: None if autockpt.is_recomputing() else seen.append(name)
+            )
+    model.blocks[0].register_full_backward_hook(lambda m, gi, go: backward.append("b0"))
+    loss_of(model(idx, attention_mask=mask)).backward()
+    expected = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
+    assert sorted(seen) == sorted(expected) and len(seen) == len(expected)
+    assert backward == ["b0"]
+
+
+def test_optional_input_missing_runs_unwrapped_with_a_warning() -> None:
+    class Optional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            return self.b(self.a(x) + bias)
+
+    model = autockpt.auto_checkpoint(Optional(), 2)
+    model(torch.randn(2, 3), torch.randn(3)).sum().backward()
+    with pytest.warns(UserWarning, match="traced with 'bias' given, but it is None"):
+        with pytest.raises(TypeError):  # the plain forward fails as it would unwrapped
+            model(torch.randn(2, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TypeError):
+            model(torch.randn(2, 3))  # warned once only
