@@ -55,6 +55,7 @@ def auto_checkpoint(
     segments: SegmentsSpec = "sqrt",
     *,
     example_inputs: Sequence[Any] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
     mode: str | None = None,
 ) -> nn.Module:
     """Checkpoint ``model`` in place so training keeps fewer activations alive.
@@ -74,6 +75,7 @@ def auto_checkpoint(
         example_inputs: positional inputs for a dry run that finds modules which modify
             their input in place; without them the dry run happens on the first training
             forward.
+        example_kwargs: keyword inputs for the same dry run (e.g. an attention mask).
         mode: force a walker: ``"sequential"``, ``"graph"`` or ``"blocks"``. With the
             block walker, ``"sqrt"`` and an int ``k`` mean ``k`` (or ``ceil(sqrt(n))``)
             evenly spread blocks are checkpointed, each on its own.
@@ -96,7 +98,7 @@ def auto_checkpoint(
     _check_module(model, "auto_checkpoint")
     _check_spec(segments, "auto_checkpoint")
     walked = walk(model, mode, where="auto_checkpoint")
-    probe = _probe(model, walked, example_inputs, "auto_checkpoint")
+    probe = _probe(model, walked, example_inputs, example_kwargs, "auto_checkpoint")
     chain = build_chain(walked.walker, walked.units, probe)
     plan = plan_chain(chain, segments, where="auto_checkpoint", notes=walked.notes)
     _install(model, walked, chain, plan, segments, probe)
@@ -108,6 +110,7 @@ def make_plan(
     segments: SegmentsSpec = "sqrt",
     *,
     example_inputs: Sequence[Any] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
     mode: str | None = None,
 ) -> Plan:
     """The plan ``auto_checkpoint(model, segments, ...)`` would apply, without applying it.
@@ -125,7 +128,7 @@ def make_plan(
     _check_module(model, "make_plan")
     _check_spec(segments, "make_plan")
     walked = walk(model, mode, where="make_plan")
-    probe = _probe(model, walked, example_inputs, "make_plan")
+    probe = _probe(model, walked, example_inputs, example_kwargs, "make_plan")
     chain = build_chain(walked.walker, walked.units, probe)
     return plan_chain(chain, segments, where="make_plan", notes=walked.notes)
 
@@ -135,7 +138,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     _check_module(model, "Plan.apply")
     walked = walk(model, plan.walker, where="Plan.apply")
     chain = chain_from_names(plan.walker, walked.units, plan.stage_names)
-    _install(model, walked, chain, plan, plan, _probe(model, walked, None, "Plan.apply"))
+    _install(model, walked, chain, plan, plan, _probe(model, walked, None, None, "Plan.apply"))
     return model
 
 
@@ -271,7 +274,11 @@ def _check_spec(spec: object, where: str) -> None:
 
 
 def _probe(
-    model: nn.Module, walked: Walked, example_inputs: Sequence[Any] | None, where: str
+    model: nn.Module,
+    walked: Walked,
+    example_inputs: Sequence[Any] | None,
+    example_kwargs: dict[str, Any] | None,
+    where: str,
 ) -> DryRun | None:
     """The dry run's findings: run now on ``example_inputs``, or reused; None if none ran yet.
 
@@ -279,8 +286,8 @@ def _probe(
     """
     if walked.walker == "blocks":
         return None
-    if example_inputs is not None:
-        x = _entry_value(walked, _as_args(example_inputs), {}, where)
+    if example_inputs is not None or example_kwargs:
+        x = _entry_value(walked, _as_args(example_inputs or ()), dict(example_kwargs or {}), where)
         with dry_run_state(model, x):
             return probe_units(walked.units, x)
     fwd = _installed(model)

@@ -224,7 +224,9 @@ def test_tied_weights_accumulate_once_per_step() -> None:  # item 16
 
 def test_hooks_guarded_by_is_recomputing_fire_once_per_position() -> None:  # item 25
     idx, mask = gpt_inputs()
-    model = autockpt.auto_checkpoint(GPT().to(D), example_inputs=(idx, mask))
+    model = autockpt.auto_checkpoint(
+        GPT().to(D), example_inputs=(idx,), example_kwargs={"attention_mask": mask}
+    )
     seen: list[str] = []
     backward: list[str] = []
     for name, module in model.named_modules():
