@@ -192,7 +192,9 @@ def plan_chain(chain: Chain, spec: SegmentsSpec, *, where: str, notes: Sequence[
                 f"example_inputs=...)."
             )
         return spec
-    request = PlanRequest(stage_names=chain.names, input_bytes=chain.input_bytes)
+    request = PlanRequest(
+        stage_names=chain.names, input_bytes=chain.input_bytes, saved_bytes=chain.saved_bytes
+    )
     if isinstance(spec, int):
         if not 1 <= spec <= n:
             raise ValueError(

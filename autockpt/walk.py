@@ -16,6 +16,7 @@ NOTE [In-place boundaries]
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,7 @@ class Chain:
     stages: tuple[Stage, ...]
     first_unit_unsafe: bool = False  # the first module modifies the model's input in place
     input_bytes: tuple[int, ...] | None = None  # per stage, from a dry run
+    saved_bytes: tuple[int, ...] | None = None  # per stage, from a dry run
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -171,6 +173,9 @@ def build_chain(walker: str, units: Sequence[Unit], probe: DryRun | None = None)
         tuple(Stage(tuple(g)) for g in groups),
         first_unit_unsafe=0 in bad,
         input_bytes=tuple(probe.input_bytes[j] for j in starts) if probe else None,
+        saved_bytes=tuple(sum(probe.saved_bytes[a:b]) for a, b in itertools.pairwise([*starts, len(units)]))
+        if probe and probe.saved_bytes
+        else None,
     )
 
 
@@ -211,10 +216,13 @@ class DryRun:
         unsafe: unit indices whose input got modified in place (no boundary in front).
         input_bytes: per unit, bytes of the distinct storages of its input, i.e. what a
             checkpoint starting there would keep alive.
+        saved_bytes: per unit, bytes it saves for backward (parameters excluded), i.e. what
+            checkpointing it drops.
     """
 
     unsafe: frozenset[int]
     input_bytes: tuple[int, ...]
+    saved_bytes: tuple[int, ...] = ()
 
 
 def probe_units(units: Sequence[Unit], x: Any) -> DryRun:
@@ -243,7 +251,37 @@ def probe_units(units: Sequence[Unit], x: Any) -> DryRun:
             if t._version != version:
                 unsafe.add(j)
         watched = [(j, t, t._version) for j, t, _ in watched]
-    return DryRun(frozenset(unsafe), tuple(sizes))
+    return DryRun(frozenset(unsafe), tuple(sizes), _saved_bytes(units, x))
+
+
+def _saved_bytes(units: Sequence[Unit], x: Any) -> tuple[int, ...]:
+    """Bytes each unit saves for backward (its input included when it keeps it).
+
+    A second pass, because autograd only saves what a gradient needs: every floating input
+    is made a fresh non-leaf that requires grad (a copy, so aliasing is not watched here).
+    """
+    out: list[int] = []
+    value = _detach(x)
+    for unit in units:
+        value = tree_map_only(torch.Tensor, _grad_copy, value)
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
+            saved[_storage_key(t)] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = unit.fn(value)
+        params = {_storage_key(p) for m in unit.modules for p in m.parameters()}
+        out.append(sum(n for k, n in saved.items() if k not in params))
+        value = _detach(result)
+    return tuple(out)
+
+
+def _grad_copy(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() or t.is_complex():
+        return (t.detach().requires_grad_() * 1) if t.numel() else t
+    return t
 
 
 def _detach(x: Any) -> Any:

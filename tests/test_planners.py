@@ -177,3 +177,29 @@ def test_sqrt_moves_boundaries_of_an_expansion_mlp_to_narrow_tensors() -> None: 
     snapped = run_planner(get_planner("sqrt", where="t"), req, where="t")
     assert [s.start for s in plain] == [0, 4, 8, 12]
     assert [s.start for s in snapped] == [0, 3, 9, 12]
+
+
+def sqrt_with(saved: list[int], inputs: list[int]) -> tuple[Segment, ...]:
+    n = len(saved)
+    req = PlanRequest(stage_names=request(n).stage_names, input_bytes=tuple(inputs), saved_bytes=tuple(saved))
+    return run_planner(get_planner("sqrt", where="t"), req, where="t")
+
+
+@pytest.mark.parametrize("n", [4, 9, 16, 25, 30])
+def test_sqrt_on_bytes_is_sqrt_n_when_every_stage_saves_its_input(n: int) -> None:
+    segs = sqrt_with([100] * n, [100] * n)
+    assert len(segs) == math.ceil(math.sqrt(n))
+
+
+def test_sqrt_on_bytes_uses_more_segments_when_stages_hold_more_than_their_input() -> None:
+    # 12 transformer-like blocks: each saves 16x its input (attention maps, MLP)
+    assert len(sqrt_with([1600] * 12, [100] * 12)) == 12  # ceil(sqrt(192)) = 14, at most n
+    assert len(sqrt_with([400] * 36, [100] * 36)) == 12  # sqrt(36 * 4) = 12, not sqrt(36) = 6
+
+
+def test_sqrt_on_bytes_balances_saved_bytes_not_stage_counts() -> None:
+    saved = [800, 800, 100, 100, 100, 100, 100, 100, 100, 100]  # two heavy stages first
+    segs = sqrt_with(saved, [100] * 10)
+    per_segment = [sum(saved[s.start : s.stop]) for s in segs]
+    assert len(segs[0]) == 1 and per_segment[0] == 800
+    assert max(per_segment) <= 800

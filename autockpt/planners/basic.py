@@ -49,20 +49,44 @@ def none_planner(request: PlanRequest) -> tuple[Segment, ...]:
 
 
 def sqrt_planner(request: PlanRequest) -> tuple[Segment, ...]:
-    """``ceil(sqrt(n))`` segments balanced by stage count, boundaries moved to narrow tensors.
+    """Chen et al.'s sqrt rule: about ``sqrt(n)`` segments of equal cost.
 
-    When the request carries ``input_bytes`` (after a dry run), each boundary may move by up
-    to half a segment to the stage whose input is smallest, so an expansion MLP keeps its
-    narrow tensors rather than its 4x-wide ones (nearest wins ties, then the earlier).
+    Without measurements: ``ceil(sqrt(n))`` segments balanced by stage count. After a dry
+    run has measured each stage's saved bytes ``a_i`` and input bytes, the rule is applied to
+    bytes, as in the paper's derivation: ``k`` kept segment inputs of mean size ``b`` plus
+    one segment's activations ``A / k`` is smallest for ``k = sqrt(A / b)`` (which is
+    ``sqrt(n)`` when every stage saves about its input), and the segments are balanced by
+    saved bytes. Then each boundary may move by up to half a segment to the stage whose
+    input is smallest, so an expansion MLP keeps its narrow tensors rather than its 4x-wide
+    ones (nearest wins ties, then the earlier).
     """
     n = request.n_stages
-    k = sqrt_segment_count(n)
-    sizes = balanced_sizes(n, k)
+    sizes = balanced_sizes(n, sqrt_segment_count(n))
     if request.input_bytes is None:
         return segments_from_sizes(sizes, n, where="sqrt")
+    if request.saved_bytes is not None and n > 1:
+        sizes = _byte_sizes(request.saved_bytes, request.input_bytes) or sizes
     starts = snap_boundaries(sizes, request.input_bytes)
     bounds = [0, *starts, n]
     return segments_from_sizes([b - a for a, b in itertools.pairwise(bounds)], n, where="sqrt")
+
+
+def _byte_sizes(saved: tuple[int, ...], inputs: tuple[int, ...]) -> list[int] | None:
+    """Segment sizes for ``k = ceil(sqrt(A / b))`` segments of equal saved bytes."""
+    n, total = len(saved), sum(saved)
+    boundary = sum(inputs[1:]) / (n - 1)
+    if total <= 0 or boundary <= 0:
+        return None
+    k = min(n, max(1, math.ceil(math.sqrt(total / boundary))))
+    cum = list(itertools.accumulate(saved))  # cum[i] = bytes saved by stages 0..i
+    starts: list[int] = []
+    for j in range(1, k):
+        target = total * j / k
+        p = next((i + 1 for i, c in enumerate(cum) if c >= target), n - 1)
+        p = max(p, starts[-1] + 1 if starts else 1)
+        starts.append(min(p, n - (k - j)))
+    bounds = [0, *starts, n]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 def snap_boundaries(sizes: list[int], input_bytes: tuple[int, ...]) -> list[int]:

@@ -33,10 +33,12 @@ class PlanRequest:
         stage_names: one name per stage of the chain, in order.
         input_bytes: per stage, the bytes a checkpoint starting there keeps alive (its
             input), when a dry run measured them; ``None`` otherwise.
+        saved_bytes: per stage, the bytes it saves for backward when not checkpointed.
     """
 
     stage_names: tuple[str, ...]
     input_bytes: tuple[int, ...] | None = None
+    saved_bytes: tuple[int, ...] | None = None
 
     @property
     def n_stages(self) -> int:
