@@ -24,13 +24,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from autockpt.blocks import BlockCall, BlockForward
+from autockpt.budget_spec import parse_budget
 from autockpt.errors import AutockptError
 from autockpt.graph import UnbindableError
-from autockpt.plan import Plan, Segment
+from autockpt.plan import Plan, Segment, format_bytes
 from autockpt.planners import PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import sqrt_segment_count, uniform_plan
+from autockpt.planners.budget import predict
 from autockpt.planners.registry import Planner
 from autockpt.runtime import SegmentRuntime, build_runtime, dry_run_state, run_segments
 from autockpt.walk import (
@@ -54,6 +57,7 @@ def auto_checkpoint(
     model: nn.Module,
     segments: SegmentsSpec = "sqrt",
     *,
+    budget: int | float | str | None = None,
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     mode: str | None = None,
@@ -72,6 +76,11 @@ def auto_checkpoint(
         segments: ``"sqrt"`` (``ceil(sqrt(n))`` segments), an int number of segments,
             ``"none"``, another registered planner name, a callable planner, or a
             :class:`Plan`. All segments but the last are recomputed in backward.
+        budget: plan for a memory budget instead: bytes, a string such as ``"2GiB"`` or
+            ``"512MB"``, or a fraction in (0, 1] of the unwrapped step's peak. The budget
+            covers one training step with parameters, buffers and inputs included. Needs
+            ``example_inputs``: every stage is profiled on them, and the ``"budget"``
+            planner picks the plan with least recompute whose predicted peak fits.
         example_inputs: positional inputs for a dry run that finds modules which modify
             their input in place; without them the dry run happens on the first training
             forward.
@@ -97,11 +106,10 @@ def auto_checkpoint(
     """
     _check_module(model, "auto_checkpoint")
     _check_spec(segments, "auto_checkpoint")
-    walked = walk(model, mode, where="auto_checkpoint")
-    probe = _probe(model, walked, example_inputs, example_kwargs, "auto_checkpoint")
-    chain = build_chain(walked.walker, walked.units, probe)
-    plan = plan_chain(chain, segments, where="auto_checkpoint", notes=walked.notes)
-    _install(model, walked, chain, plan, segments, probe)
+    walked, probe, chain, plan = _plan(
+        model, segments, budget, example_inputs, example_kwargs, mode, where="auto_checkpoint"
+    )
+    _install(model, walked, chain, plan, plan if budget is not None else segments, probe)
     return model
 
 
@@ -109,6 +117,7 @@ def make_plan(
     model: nn.Module,
     segments: SegmentsSpec = "sqrt",
     *,
+    budget: int | float | str | None = None,
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     mode: str | None = None,
@@ -127,10 +136,74 @@ def make_plan(
     """
     _check_module(model, "make_plan")
     _check_spec(segments, "make_plan")
-    walked = walk(model, mode, where="make_plan")
-    probe = _probe(model, walked, example_inputs, example_kwargs, "make_plan")
+    return _plan(model, segments, budget, example_inputs, example_kwargs, mode, where="make_plan")[3]
+
+
+def _plan(
+    model: nn.Module,
+    segments: SegmentsSpec,
+    budget: int | float | str | None,
+    example_inputs: Sequence[Any] | None,
+    example_kwargs: dict[str, Any] | None,
+    mode: str | None,
+    *,
+    where: str,
+) -> tuple[Walked, DryRun | None, Chain, Plan]:
+    """Walk, dry-run, profile when a budget asks for it, and plan."""
+    if budget is not None and segments not in ("sqrt", "budget"):
+        raise ValueError(f"{where}: got both segments={segments!r} and budget={budget!r}. Pass one of them.")
+    if budget is not None and example_inputs is None and not example_kwargs:
+        raise ValueError(
+            f"{where}: budget={budget!r} needs example inputs to measure the model. Pass "
+            f"example_inputs=(x,) with a batch of the size you train with."
+        )
+    walked = walk(model, mode, where=where)
+    probe = _probe(model, walked, example_inputs, example_kwargs, where)
     chain = build_chain(walked.walker, walked.units, probe)
-    return plan_chain(chain, segments, where="make_plan", notes=walked.notes)
+    if budget is None:
+        return walked, probe, chain, plan_chain(chain, segments, where=where, notes=walked.notes)
+    from autockpt.profiling import profile_chain
+
+    x = _entry_value(walked, _as_args(example_inputs or ()), dict(example_kwargs or {}), where)
+    static = _static_bytes(model, x)
+    prof = profile_chain(model, chain, x, static)
+    unwrapped = static + predict((Segment(0, len(chain.stages), False),), prof.costs).peak_bytes
+    budget_bytes = parse_budget(budget, unwrapped_bytes=unwrapped, where=where)
+    request = PlanRequest(
+        stage_names=chain.names,
+        input_bytes=chain.input_bytes,
+        saved_bytes=chain.saved_bytes,
+        costs=prof.costs,
+        budget_bytes=budget_bytes,
+        static_bytes=static,
+    )
+    segs = run_planner(get_planner("budget", where=where), request, where=where)
+    prediction = predict(segs, prof.costs)
+    plan = Plan(
+        strategy=f"budget={format_bytes(budget_bytes)}",
+        walker=chain.walker,
+        stage_names=chain.names,
+        stage_kinds=chain.kinds,
+        segments=segs,
+        predicted_peak_bytes=static + prediction.peak_bytes,
+        predicted_recompute_ms=prediction.recompute_ms,
+        notes=(
+            *walked.notes,
+            *_fusion_notes(chain),
+            f"unwrapped step predicted at {format_bytes(unwrapped)}",
+        ),
+    )
+    return walked, probe, chain, plan
+
+
+def _static_bytes(model: nn.Module, x: Any) -> int:
+    """Parameters, buffers and inputs: what a training step needs before it starts."""
+    tensors = [
+        *model.parameters(),
+        *model.buffers(),
+        *(t for t in tree_leaves(x) if isinstance(t, torch.Tensor)),
+    ]
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:

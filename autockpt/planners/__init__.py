@@ -1,6 +1,7 @@
 """Planners: pure, torch-free functions from a chain description to segments."""
 
 from autockpt.planners import basic as _basic  # noqa: F401  (registers the built-ins)
+from autockpt.planners import budget as _budget  # noqa: F401
 from autockpt.planners.registry import (
     Planner,
     PlanRequest,

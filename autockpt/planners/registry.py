@@ -12,8 +12,12 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from autockpt.plan import Segment, validate_segments
+
+if TYPE_CHECKING:
+    from autockpt.planners.budget import StageCost
 
 __all__ = [
     "PlanRequest",
@@ -34,11 +38,18 @@ class PlanRequest:
         input_bytes: per stage, the bytes a checkpoint starting there keeps alive (its
             input), when a dry run measured them; ``None`` otherwise.
         saved_bytes: per stage, the bytes it saves for backward when not checkpointed.
+        costs: per stage, measured costs (from :func:`autockpt.profile`), if profiled.
+        budget_bytes: the memory budget for a whole training step, if one was given.
+        static_bytes: bytes that exist before the step (parameters, buffers, inputs),
+            which the budget includes but no plan changes.
     """
 
     stage_names: tuple[str, ...]
     input_bytes: tuple[int, ...] | None = None
     saved_bytes: tuple[int, ...] | None = None
+    costs: tuple[StageCost, ...] | None = None
+    budget_bytes: int | None = None
+    static_bytes: int = 0
 
     @property
     def n_stages(self) -> int:

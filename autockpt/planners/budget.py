@@ -1,0 +1,291 @@
+"""The ``"budget"`` planner: least recompute time whose predicted peak fits a byte budget.
+
+Cost model (per stage, measured by :func:`autockpt.profile`; see :class:`StageCost`). A
+single-level plan is a sequence of items (the loss is assumed to keep, between forward
+and backward, one tensor the size of the output besides the output and its gradient),
+each a plain stage or a checkpointed segment whose recompute runs its stages plain. Every memory event of an item happens on top of
+``H``, the bytes held by the items before it (a plain stage holds what it saved, a
+checkpointed segment holds its input), so
+
+    peak(plan) = max over items j of  H_j + local(item j)
+
+where ``local`` depends only on the item's span (its forward, and in backward its recompute
+plus the gradients of everything after it). This makes the problem a shortest path over
+positions with the held bytes as a resource, in the spirit of Beaumont et al. 2019,
+"Optimal checkpointing for heterogeneous chains" (restricted here to one level of
+checkpoints; nested plans can still be given by hand).
+
+Algorithm: dynamic programming over positions keeping, per position, the Pareto front of
+(held bytes, recompute time). Exact for up to 64 stages; beyond that held bytes are rounded
+*up* to 1/512 of the budget, so predictions stay safe and the front stays small.
+Complexity O(n * L * F) for n stages, segments of at most L stages that fit the budget, and
+F <= 513 front points. Known inefficiency: the front is a Python list.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+from autockpt.errors import PlanInfeasibleError
+from autockpt.plan import Segment, format_bytes
+from autockpt.planners.registry import PlanRequest, register_planner
+
+__all__ = ["Prediction", "StageCost", "budget_planner", "min_feasible_budget", "predict"]
+
+_EXACT_UP_TO = 64
+_RESOLUTION = 512
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one stage costs in a training step (bytes are allocator-level).
+
+    Attributes:
+        fwd_ms: forward time.
+        bwd_ms: backward time.
+        in_bytes: its input, i.e. what a checkpoint starting here keeps.
+        out_bytes: its output (and the size of the gradient flowing into it).
+        kept_bytes: what it holds from its forward to its backward when not checkpointed,
+            apart from its input and output (saved intermediates).
+        keeps_input: it saves its input for backward (a Linear, a convolution).
+        keeps_output: it saves its output for backward (a ReLU, a sigmoid).
+        fwd_peak_bytes: working peak of its forward above its input (output included).
+        bwd_peak_bytes: working peak of its backward above what it holds and its output
+            gradient (workspaces, input and parameter gradients included).
+        grad_bytes: parameter gradients it leaves allocated after its backward.
+    """
+
+    fwd_ms: float
+    bwd_ms: float
+    in_bytes: int
+    out_bytes: int
+    kept_bytes: int
+    keeps_input: bool
+    keeps_output: bool
+    fwd_peak_bytes: int
+    bwd_peak_bytes: int
+    grad_bytes: int
+
+    def to_dict(self) -> dict[str, float]:
+        """Plain data for JSON."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted figures of a plan under the cost model."""
+
+    peak_bytes: int
+    recompute_ms: float
+
+
+class _Model:
+    """The cost model. ``kept`` says whether the item before holds the current input
+    (a plain stage that keeps its output), so a boundary tensor is counted once."""
+
+    def __init__(self, costs: Sequence[StageCost]) -> None:
+        self.c = list(costs)
+        n = len(costs)
+        self.grads_after = [sum(c.grad_bytes for c in costs[i + 1 :]) for i in range(n)]
+        # between forward and backward the loss runs: the output, one loss intermediate of
+        # its size and the output's gradient are alive on top of everything held
+        self.loss = 3 * costs[-1].out_bytes if costs else 0
+
+    def held(self, i: int, kept: bool) -> int:
+        """What plain stage ``i`` holds until its backward."""
+        c = self.c[i]
+        return c.kept_bytes + c.out_bytes * c.keeps_output + c.in_bytes * (c.keeps_input and not kept)
+
+    def plain_local(self, i: int, kept: bool) -> int:
+        c = self.c[i]
+        fwd = c.in_bytes * (not kept) + c.fwd_peak_bytes
+        bwd = self.held(i, kept) + c.out_bytes + c.bwd_peak_bytes + self.grads_after[i]
+        return max(fwd, bwd)
+
+    def checkpoint_locals(self, s: int, kept: bool) -> Iterator[tuple[int, float]]:
+        """``(local, recompute ms)`` of segments ``[s, t)`` for t = s+1, s+2, ...
+
+        Events of stage i inside the segment: its first forward (nothing saved), then its
+        recompute forward and backward on top of what stages s..i-1 saved again.
+        """
+        local, ms, before = 0, 0.0, 0
+        base = self.c[s].in_bytes * (not kept)
+        inner_kept = True  # the segment's input is held by the checkpoint
+        for i in range(s, len(self.c)):
+            c = self.c[i]
+            current = c.in_bytes if i > s else 0
+            first = base + current + c.fwd_peak_bytes
+            refwd = base + before + c.in_bytes * (not inner_kept) + c.fwd_peak_bytes
+            held = self.held(i, inner_kept)
+            rebwd = base + before + held + c.out_bytes + c.bwd_peak_bytes + self.grads_after[i]
+            local, ms = max(local, first, refwd, rebwd), ms + c.fwd_ms
+            before += held
+            inner_kept = c.keeps_output
+            yield local, ms
+
+    def checkpoint_held(self, s: int, kept: bool) -> int:
+        return self.c[s].in_bytes * (not kept)
+
+
+def predict(segments: Sequence[Segment], costs: Sequence[StageCost]) -> Prediction:
+    """Peak bytes and recompute time of a single-level plan under the cost model.
+
+    Nested segments are predicted as if their checkpointed segment recomputed plainly
+    (an upper bound on their peak).
+    """
+    model = _Model(costs)
+    held, peak, recompute, kept = 0, 0, 0.0, False
+    for seg in segments:
+        if seg.checkpoint:
+            local, ms = next(
+                v for t, v in enumerate(model.checkpoint_locals(seg.start, kept), start=seg.start + 1)
+                if t == seg.stop
+            )  # fmt: skip
+            peak = max(peak, held + local)
+            held += model.checkpoint_held(seg.start, kept)
+            recompute += ms
+            kept = False
+        else:
+            for i in range(seg.start, seg.stop):
+                peak = max(peak, held + model.plain_local(i, kept))
+                held += model.held(i, kept)
+                kept = costs[i].keeps_output
+    return Prediction(max(peak, held + model.loss), recompute)
+
+
+def _solve(costs: Sequence[StageCost], budget: int) -> tuple[Segment, ...] | None:
+    """Least-recompute single-level plan with predicted peak <= budget, or None."""
+    n = len(costs)
+    model = _Model(costs)
+    quantum = 1 if n <= _EXACT_UP_TO else max(1, math.ceil(budget / _RESOLUTION))
+    # front[(i, kept)]: {held: (recompute, previous position, previous flag, previous held, segment)}
+    front: dict[tuple[int, bool], dict[int, tuple[float, int, bool, int, Segment | None]]] = {
+        (i, k): {} for i in range(n + 1) for k in (False, True)
+    }
+    front[(0, False)][0] = (0.0, -1, False, 0, None)
+    for s in range(n):
+        for kept in (False, True):
+            points = sorted(front[(s, kept)].items())
+            if not points:
+                continue
+            lowest = points[0][0]
+            plain = model.plain_local(s, kept)
+            held_plain = model.held(s, kept)
+            after = costs[s].keeps_output
+            for held, (cost, *_rest) in points:
+                if held + plain > budget:
+                    break
+                _offer(front[(s + 1, after)], _round(held + held_plain, quantum), cost, s, kept, held,
+                       Segment(s, s + 1, False))  # fmt: skip
+            new_held = model.checkpoint_held(s, kept)
+            for t, (local, ms) in enumerate(model.checkpoint_locals(s, kept), start=s + 1):
+                if lowest + local > budget:
+                    break
+                for held, (cost, *_rest) in points:
+                    if held + local > budget:
+                        break
+                    _offer(front[(t, False)], _round(held + new_held, quantum), cost + ms, s, kept, held,
+                           Segment(s, t, True))  # fmt: skip
+        for flag in (False, True):
+            _prune(front[(s + 1, flag)])
+    ends = [
+        (v[0], h, flag)
+        for flag in (False, True)
+        for h, v in front[(n, flag)].items()
+        if h + model.loss <= budget
+    ]
+    if not ends:
+        return None
+    _, held, flag = min(ends)
+    segments: list[Segment] = []
+    pos = n
+    while pos > 0:
+        _, prev, prev_flag, prev_held, seg = front[(pos, flag)][held]
+        assert seg is not None
+        segments.append(seg)
+        pos, flag, held = prev, prev_flag, prev_held
+    return _merge_plain(segments[::-1])
+
+
+def _round(value: int, quantum: int) -> int:
+    return -(-value // quantum) * quantum
+
+
+def _offer(
+    target: dict[int, tuple[float, int, bool, int, Segment | None]],
+    held: int,
+    cost: float,
+    prev: int,
+    prev_flag: bool,
+    prev_held: int,
+    seg: Segment,
+) -> None:
+    old = target.get(held)
+    if old is None or (cost, prev, prev_flag) < (old[0], old[1], old[2]):
+        target[held] = (cost, prev, prev_flag, prev_held, seg)
+
+
+def _prune(points: dict[int, tuple[float, int, bool, int, Segment | None]]) -> None:
+    """Drop points that hold more and recompute no less than another point."""
+    best = math.inf
+    for held in sorted(points):
+        if points[held][0] >= best:
+            del points[held]
+        else:
+            best = points[held][0]
+
+
+def _merge_plain(segments: list[Segment]) -> tuple[Segment, ...]:
+    out: list[Segment] = []
+    for seg in segments:
+        if out and not seg.checkpoint and not out[-1].checkpoint:
+            out[-1] = Segment(out[-1].start, seg.stop, False)
+        else:
+            out.append(seg)
+    return tuple(out)
+
+
+def min_feasible_budget(costs: Sequence[StageCost]) -> int:
+    """The smallest budget any single-level plan fits, by bisection on the planner."""
+    lo, hi = 0, predict((Segment(0, len(costs), False),), costs).peak_bytes
+    while hi - lo > max(1, hi // 1000):
+        mid = (lo + hi) // 2
+        if _solve(costs, mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def budget_planner(request: PlanRequest) -> tuple[Segment, ...]:
+    """Least predicted recompute time with predicted peak <= ``request.budget_bytes``.
+
+    Raises:
+        ValueError: the request has no costs or no budget.
+        PlanInfeasibleError: no plan fits; the message names the smallest budget that does
+            and the stage whose backward sets that floor.
+    """
+    if request.costs is None or request.budget_bytes is None:
+        raise ValueError(
+            "budget planner: needs measured stage costs and a budget. Call "
+            "auto_checkpoint(model, budget='2GiB', example_inputs=(x,))."
+        )
+    budget = request.budget_bytes - request.static_bytes
+    plan = _solve(request.costs, budget) if budget > 0 else None
+    if plan is None:
+        floor = min_feasible_budget(request.costs) + request.static_bytes
+        model = _Model(request.costs)
+        worst = max(range(request.n_stages), key=lambda i: request.costs[i].bwd_peak_bytes)  # type: ignore[index]
+        raise PlanInfeasibleError(
+            f"make_plan: no plan fits budget={format_bytes(request.budget_bytes)}; the smallest "
+            f"achievable peak for this model and input is {format_bytes(floor)} (parameters and "
+            f"inputs {format_bytes(request.static_bytes)} included; no plan goes below the backward "
+            f"working set of stage {request.stage_names[worst]!r}, "
+            f"{format_bytes(model.plain_local(worst, False))}). Raise the budget or reduce the batch size."
+        )
+    return plan
+
+
+register_planner("budget", budget_planner)

@@ -1,0 +1,197 @@
+"""``profile``: what each stage of a model costs in one training step.
+
+Each stage runs alone, on the input the stages before it produce, with that input made to
+require gradients. Bytes are allocator-level (``track_memory``), so op workspaces such as
+oneDNN's reorder buffers are in them; they are exact for a given input, while times are
+medians of repeats and stay noisy. The run is invisible like the dry run: buffers, RNG and
+``.grad`` are put back.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from autockpt.memory import track_memory
+from autockpt.plan import format_bytes
+from autockpt.planners.budget import StageCost
+from autockpt.runtime import dry_run_state
+from autockpt.walk import Chain, Stage
+
+__all__ = ["Profile", "profile_chain"]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-stage costs of a model for one input.
+
+    Attributes:
+        walker: the walker that found the stages.
+        stage_names: one name per stage.
+        costs: one :class:`~autockpt.planners.budget.StageCost` per stage.
+        static_bytes: parameters, buffers and inputs: memory a step needs before it starts.
+        device: where it was measured.
+    """
+
+    walker: str
+    stage_names: tuple[str, ...]
+    costs: tuple[StageCost, ...]
+    static_bytes: int
+    device: str
+
+    def to_json(self) -> str:
+        """The profile as JSON."""
+        return json.dumps(
+            {
+                "walker": self.walker,
+                "device": self.device,
+                "static_bytes": self.static_bytes,
+                "stages": [{"name": n, **c.to_dict()} for n, c in zip(self.stage_names, self.costs)],
+            },
+            indent=2,
+        )
+
+    def __str__(self) -> str:
+        head = ("stage", "fwd ms", "bwd ms", "input", "kept", "fwd peak", "bwd peak", "param grads")
+        rows = [head]
+        for name, c in zip(self.stage_names, self.costs):
+            rows.append(
+                (
+                    name,
+                    f"{c.fwd_ms:.2f}",
+                    f"{c.bwd_ms:.2f}",
+                    format_bytes(c.in_bytes),
+                    format_bytes(c.kept_bytes),
+                    format_bytes(c.fwd_peak_bytes),
+                    format_bytes(c.bwd_peak_bytes),
+                    format_bytes(c.grad_bytes),
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = [
+            f"autockpt profile: walker={self.walker!r}, device={self.device}, {len(self.costs)} stages, "
+            f"parameters+buffers+inputs {format_bytes(self.static_bytes)}"
+        ]
+        lines += [
+            "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
+            for r in rows
+        ]
+        return "\n".join(lines)
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor], exclude: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+    seen = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(n for k, n in seen.items() if k not in exclude)
+
+
+def _grad_input(x: Any) -> Any:
+    def make(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.numel():
+            return t.detach().clone().requires_grad_()
+        return t.detach()
+
+    return tree_map_only(torch.Tensor, make, x)
+
+
+def _measure(stage: Stage, x: Any, device: torch.device, repeats: int) -> tuple[StageCost, Any]:
+    params = list({id(p): p for u in stage.units for m in u.modules for p in m.parameters()}.values())
+    params = [p for p in params if p.requires_grad]
+    inputs = _grad_input(x)
+    in_tensors = _tensors(inputs)
+    in_keys = {t.untyped_storage()._cdata for t in in_tensors}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with (
+        track_memory(device, tensors=False) as fwd,
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
+        out = stage(inputs)
+    out_tensors = [t for t in _tensors(out) if t.untyped_storage()._cdata not in in_keys]
+    out_bytes = _storage_bytes(out_tensors)
+    grad_outs = [t for t in _tensors(out) if t.requires_grad]
+    kept = fwd.allocated_bytes - out_bytes
+    keeps_input = any(k in saved for k in in_keys)
+    keeps_output = any(t.untyped_storage()._cdata in saved for t in out_tensors)
+    # The loss below makes the output gradient inside the measured backward, and no Python
+    # reference keeps the output alive, so the output and its gradient are freed as in a
+    # real step; the gradient's size is then taken off the peak (the model adds it).
+    loss = sum(((t * torch.ones_like(t)).sum() for t in grad_outs), torch.zeros((), device=device))
+    next_value = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), out)
+    leaves = [t for t in in_tensors if t.requires_grad]
+    del out, grad_outs, out_tensors
+    for p in params:
+        p.grad = None
+    with track_memory(device, tensors=False) as bwd:
+        if loss.requires_grad:
+            loss.backward(inputs=[*leaves, *params] or None)
+    del loss
+    grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
+    fwd_ms, bwd_ms = _times(stage, x, params, repeats)
+    for p in params:
+        p.grad = None
+    cost = StageCost(
+        fwd_ms=fwd_ms,
+        bwd_ms=bwd_ms,
+        in_bytes=_storage_bytes(in_tensors),
+        out_bytes=out_bytes,
+        kept_bytes=max(0, kept),
+        keeps_input=keeps_input,
+        keeps_output=keeps_output,
+        fwd_peak_bytes=fwd.peak_bytes,
+        bwd_peak_bytes=max(0, bwd.peak_bytes - out_bytes),
+        grad_bytes=grad_bytes,
+    )
+    return cost, next_value
+
+
+def _times(stage: Stage, x: Any, params: list[nn.Parameter], repeats: int) -> tuple[float, float]:
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        inputs = _grad_input(x)
+        t0 = time.perf_counter()
+        out = stage(inputs)
+        t1 = time.perf_counter()
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        t2 = time.perf_counter()
+        fwd.append((t1 - t0) * 1e3)
+        bwd.append((t2 - t1) * 1e3)
+        for p in params:
+            p.grad = None
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def profile_chain(model: nn.Module, chain: Chain, x: Any, static_bytes: int, *, repeats: int = 3) -> Profile:
+    """Measure every stage of ``chain`` starting from the chain's input value ``x``."""
+    device = next(
+        (t.device for t in _tensors(x)), next((p.device for p in model.parameters()), torch.device("cpu"))
+    )
+    grads = [(p, p.grad) for p in model.parameters()]
+    costs = []
+    try:
+        with dry_run_state(model, x):
+            value = x
+            for stage in chain.stages:
+                cost, value = _measure(stage, value, device, repeats)
+                costs.append(cost)
+    finally:
+        for p, g in grads:
+            p.grad = g
+    return Profile(chain.walker, chain.names, tuple(costs), static_bytes, str(device))

@@ -1,0 +1,180 @@
+"""The budget planner: optimal under its cost model, safe, monotone, and honest in practice."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import autockpt
+from autockpt.plan import Segment
+from autockpt.planners import PlanRequest, get_planner, run_planner
+from autockpt.planners.budget import StageCost, _solve, min_feasible_budget, predict
+
+MiB = 2**20
+
+
+@st.composite
+def stage_costs(draw: st.DrawFn, max_stages: int = 8) -> tuple[StageCost, ...]:
+    n = draw(st.integers(1, max_stages))
+    sizes = [draw(st.integers(1, 50)) for _ in range(n + 1)]
+    return tuple(
+        StageCost(
+            fwd_ms=draw(st.floats(0.1, 10)),
+            bwd_ms=draw(st.floats(0.1, 10)),
+            in_bytes=sizes[i] * 1000,
+            out_bytes=sizes[i + 1] * 1000,
+            kept_bytes=draw(st.integers(0, 80)) * 1000,
+            keeps_input=draw(st.booleans()),
+            keeps_output=draw(st.booleans()),
+            fwd_peak_bytes=sizes[i + 1] * 1000 + draw(st.integers(0, 20)) * 1000,
+            bwd_peak_bytes=draw(st.integers(0, 60)) * 1000,
+            grad_bytes=draw(st.integers(0, 10)) * 1000,
+        )
+        for i in range(n)
+    )
+
+
+def all_single_level_plans(n: int) -> list[tuple[Segment, ...]]:
+    """Every way to cut n stages into segments, each plain or checkpointed."""
+    plans = []
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        bounds = [0, *[i + 1 for i, c in enumerate(cuts) if c], n]
+        spans = list(itertools.pairwise(bounds))
+        for flags in itertools.product([False, True], repeat=len(spans)):
+            plans.append(tuple(Segment(a, b, f) for (a, b), f in zip(spans, flags)))
+    return plans
+
+
+@given(stage_costs(), st.floats(0.2, 1.2))
+def test_dp_equals_exhaustive_search(costs: tuple[StageCost, ...], fraction: float) -> None:
+    unwrapped = predict((Segment(0, len(costs), False),), costs).peak_bytes
+    budget = int(fraction * unwrapped)
+    best = min(
+        (predict(p, costs).recompute_ms for p in all_single_level_plans(len(costs))
+         if predict(p, costs).peak_bytes <= budget),
+        default=None,
+    )  # fmt: skip
+    plan = _solve(costs, budget)
+    if best is None:
+        assert plan is None
+        return
+    assert plan is not None
+    got = predict(plan, costs)
+    assert got.peak_bytes <= budget
+    assert math.isclose(got.recompute_ms, best, rel_tol=1e-9, abs_tol=1e-9)
+
+
+@given(stage_costs(max_stages=12), st.floats(0.2, 1.0), st.floats(0.0, 0.5))
+def test_more_budget_never_means_more_recompute_and_plans_are_deterministic(
+    costs: tuple[StageCost, ...], fraction: float, extra: float
+) -> None:
+    unwrapped = predict((Segment(0, len(costs), False),), costs).peak_bytes
+    low, high = int(fraction * unwrapped), int((fraction + extra) * unwrapped)
+    a, b = _solve(costs, low), _solve(costs, high)
+    if a is not None:
+        assert b is not None
+        assert predict(b, costs).recompute_ms <= predict(a, costs).recompute_ms + 1e-9
+        assert _solve(costs, low) == a
+
+
+@given(stage_costs(max_stages=10))
+def test_min_feasible_budget_is_feasible_and_tight(costs: tuple[StageCost, ...]) -> None:
+    floor = min_feasible_budget(costs)
+    assert _solve(costs, floor) is not None
+    assert _solve(costs, int(floor * 0.99) - 1) is None
+
+
+def test_infeasible_budget_names_the_floor_and_the_stage() -> None:
+    costs = (StageCost(1, 1, 1000, 1000, 0, True, False, 1000, 50 * MiB, 0),) * 3
+    request = PlanRequest(stage_names=("a", "b", "c"), costs=costs, budget_bytes=MiB, static_bytes=0)
+    with pytest.raises(autockpt.PlanInfeasibleError, match=r"smallest achievable peak .* stage 'a'"):
+        run_planner(get_planner("budget", where="t"), request, where="t")
+
+
+def test_budget_planner_without_costs_says_what_it_needs() -> None:
+    with pytest.raises(ValueError, match="needs measured stage costs"):
+        run_planner(get_planner("budget", where="t"), PlanRequest(stage_names=("a",)), where="t")
+
+
+def chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(128, 128), nn.GELU())])
+
+
+BAD = [
+    (0, ValueError, "not positive"),
+    (-5, ValueError, "not positive"),
+    ("12 parsecs", ValueError, "cannot read budget='12 parsecs'"),
+    (1.5, ValueError, "outside (0, 1]"),
+    (True, TypeError, "budget=True is a bool"),
+]
+
+
+@pytest.mark.parametrize(("budget", "exc", "message"), BAD)
+def test_bad_budgets(budget: object, exc: type[Exception], message: str) -> None:
+    with pytest.raises(exc, match=message.replace("(", r"\(").replace("]", r"\]")):
+        autockpt.make_plan(chain(), budget=budget, example_inputs=(torch.randn(8, 128),))  # type: ignore[arg-type]
+
+
+def test_budget_without_example_inputs_or_with_segments() -> None:
+    with pytest.raises(ValueError, match="needs example inputs"):
+        autockpt.make_plan(chain(), budget="1GiB")
+    with pytest.raises(ValueError, match="both segments=4 and budget"):
+        autockpt.make_plan(chain(), 4, budget="1GiB", example_inputs=(torch.randn(8, 128),))
+
+
+@pytest.mark.parametrize("text", ["2GiB", "512MB", "1.5 gib", "1000000"])
+def test_budget_strings(text: str) -> None:
+    from autockpt.budget_spec import parse_budget
+
+    expected = {"2GiB": 2 * 2**30, "512MB": 512 * 10**6, "1.5 gib": int(1.5 * 2**30), "1000000": 10**6}
+    assert parse_budget(text, unwrapped_bytes=1, where="t") == expected[text]
+
+
+def total_peak(model: nn.Module, x: torch.Tensor) -> int:
+    static = sum(p.numel() * p.element_size() for p in model.parameters()) + x.numel() * x.element_size()
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = None
+        with autockpt.track_memory("cpu", tensors=False) as mem:
+            model(x).square().mean().backward()
+    return static + mem.peak_bytes
+
+
+CASES = {
+    "nin_nchw": (lambda: autockpt.models.NiN(10), lambda: torch.randn(64, 3, 32, 32), [1.0]),
+    "nin_channels_last": (
+        lambda: autockpt.models.NiN(10).to(memory_format=torch.channels_last),
+        lambda: torch.randn(64, 3, 32, 32).to(memory_format=torch.channels_last),
+        [1.0, 0.95, 0.92],
+    ),
+    "deep_chain": (
+        lambda: nn.Sequential(*[m for _ in range(32) for m in (nn.Linear(256, 256), nn.GELU())]),
+        lambda: torch.randn(1024, 256),
+        [0.8, 0.55, 0.4],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_predicted_peak_matches_measured_and_the_budget_holds(name: str) -> None:
+    model_factory, data, fractions = CASES[name]
+    torch.manual_seed(0)
+    model, x = model_factory(), data()
+    unwrapped = autockpt.make_plan(model, budget=1.0, example_inputs=(x,)).predicted_peak_bytes
+    assert unwrapped is not None
+    for fraction in fractions:
+        plan = autockpt.make_plan(model, budget=fraction, example_inputs=(x,))
+        autockpt.auto_checkpoint(model, plan)
+        measured = total_peak(model, x)
+        predicted = plan.predicted_peak_bytes
+        assert predicted is not None and predicted <= fraction * unwrapped
+        assert abs(measured - predicted) <= 0.10 * measured, (fraction, measured, predicted)
+        assert measured <= 1.05 * fraction * unwrapped, (fraction, measured, unwrapped)
+        autockpt.restore(model)
