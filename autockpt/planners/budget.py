@@ -1,25 +1,26 @@
 """The ``"budget"`` planner: least recompute time whose predicted peak fits a byte budget.
 
 Cost model (per stage, measured by :func:`autockpt.profile`; see :class:`StageCost`). A
-single-level plan is a sequence of items (the loss is assumed to keep, between forward
-and backward, one tensor the size of the output besides the output and its gradient),
-each a plain stage or a checkpointed segment whose recompute runs its stages plain. Every memory event of an item happens on top of
+single-level plan is a sequence of items, each a plain stage or a checkpointed segment
+whose recompute runs its stages plain. Every memory event of an item happens on top of
 ``H``, the bytes held by the items before it (a plain stage holds what it saved, a
-checkpointed segment holds its input), so
+checkpointed segment holds its input; a boundary tensor kept by both sides counts once),
+so
 
     peak(plan) = max over items j of  H_j + local(item j)
 
 where ``local`` depends only on the item's span (its forward, and in backward its recompute
-plus the gradients of everything after it). This makes the problem a shortest path over
-positions with the held bytes as a resource, in the spirit of Beaumont et al. 2019,
-"Optimal checkpointing for heterogeneous chains" (restricted here to one level of
-checkpoints; nested plans can still be given by hand).
+plus the gradients of everything after it). Between forward and backward the loss is
+assumed to keep one tensor the size of the output besides the output and its gradient.
+This makes the problem a shortest path over positions with the held bytes as a resource,
+in the spirit of Beaumont et al. 2019, "Optimal checkpointing for heterogeneous chains"
+(restricted here to one level of checkpoints; nested plans can still be given by hand).
 
 Algorithm: dynamic programming over positions keeping, per position, the Pareto front of
 (held bytes, recompute time). Exact for up to 64 stages; beyond that held bytes are rounded
 *up* to 1/512 of the budget, so predictions stay safe and the front stays small.
 Complexity O(n * L * F) for n stages, segments of at most L stages that fit the budget, and
-F <= 513 front points. Known inefficiency: the front is a Python list.
+F <= 513 front points per position and flag. Known inefficiency: the front is a dict.
 """
 
 from __future__ import annotations
