@@ -13,6 +13,7 @@ from autockpt.errors import AutockptError, PlanInfeasibleError
 from autockpt.memory import MemoryStats, track_memory
 from autockpt.plan import Plan, Segment
 from autockpt.planners import PlanRequest, available_planners, register_planner
+from autockpt.profiling import Profile, profile
 from autockpt.runtime import is_recomputing
 from autockpt.verification import VerifyReport, verify
 
@@ -24,6 +25,7 @@ __all__ = [
     "Plan",
     "PlanInfeasibleError",
     "PlanRequest",
+    "Profile",
     "Segment",
     "VerifyReport",
     "auto_checkpoint",
@@ -31,6 +33,7 @@ __all__ = [
     "is_recomputing",
     "make_plan",
     "models",
+    "profile",
     "register_planner",
     "restore",
     "track_memory",

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from autockpt.blocks import BlockCall, BlockForward
 from autockpt.budget_spec import parse_budget
-from autockpt.errors import AutockptError
+from autockpt.errors import AutockptError, PlanInfeasibleError
 from autockpt.graph import UnbindableError
 from autockpt.plan import Plan, Segment, format_bytes
 from autockpt.planners import PlanRequest, get_planner, run_planner
@@ -177,7 +177,10 @@ def _plan(
         budget_bytes=budget_bytes,
         static_bytes=static,
     )
-    segs = run_planner(get_planner("budget", where=where), request, where=where)
+    try:
+        segs = run_planner(get_planner("budget", where=where), request, where=where)
+    except PlanInfeasibleError as err:
+        raise PlanInfeasibleError(str(err).replace("budget planner:", f"{where}:", 1)) from None
     prediction = predict(segs, prof.costs)
     plan = Plan(
         strategy=f"budget={format_bytes(budget_bytes)}",

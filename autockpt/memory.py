@@ -139,21 +139,52 @@ class _CpuAllocatorEvents:
 
     def stop(self) -> tuple[int, int]:
         """Return (peak, net) CPU bytes allocated since :meth:`start`."""
+        return _peak_and_net(self._deltas())
+
+    def stop_windows(self) -> list[tuple[int, int]]:
+        """(peak, net) of each window between :func:`mark` calls, in order.
+
+        One session with marks beats several sessions: the profiler learns a block's size
+        only when it sees the allocation, so a block allocated outside any session and freed
+        inside one is missed (or, at a reused address, freed with a stale size).
+        """
+        windows: list[list[int]] = [[]]
+        for nbytes in self._deltas():
+            if nbytes == _MARK:
+                windows.append([])
+            elif nbytes != -_MARK:
+                windows[-1].append(nbytes)
+        return [_peak_and_net(w) for w in windows]
+
+    def _deltas(self) -> list[int]:
         from torch._C import _autograd
 
         with _quiet_stderr():
             result = _autograd._disable_profiler()
         cpu = torch._C._autograd.DeviceType.CPU
-        deltas = sorted(
+        events = [
             (e.start_ns(), int(getattr(e, "nbytes")()))  # noqa: B009  (missing from torch's stubs)
             for e in result.events()
             if e.name() == "[memory]" and e.device_type() == cpu
-        )
-        live = peak = 0
-        for _, nbytes in deltas:
-            live += nbytes
-            peak = max(peak, live)
-        return peak, live
+        ]
+        events.sort(key=lambda e: e[0])  # stable: same-time events keep their recorded order
+        return [nbytes for _, nbytes in events]
+
+
+_MARK = 7919  # bytes of a marker allocation; an odd prime no real tensor is likely to have
+
+
+def mark() -> None:
+    """Leave a marker in a CPU allocator session (see ``_CpuAllocatorEvents.stop_windows``)."""
+    torch.empty(_MARK, dtype=torch.uint8)
+
+
+def _peak_and_net(deltas: list[int]) -> tuple[int, int]:
+    live = peak = 0
+    for nbytes in deltas:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, live
 
 
 @contextlib.contextmanager

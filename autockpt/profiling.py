@@ -20,13 +20,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from autockpt.memory import track_memory
+from autockpt.memory import _CpuAllocatorEvents, mark
 from autockpt.plan import format_bytes
 from autockpt.planners.budget import StageCost
 from autockpt.runtime import dry_run_state
 from autockpt.walk import Chain, Stage
 
-__all__ = ["Profile", "profile_chain"]
+__all__ = ["Profile", "profile", "profile_chain"]
 
 
 @dataclass(frozen=True)
@@ -108,41 +108,42 @@ def _grad_input(x: Any) -> Any:
 def _measure(stage: Stage, x: Any, device: torch.device, repeats: int) -> tuple[StageCost, Any]:
     params = list({id(p): p for u in stage.units for m in u.modules for p in m.parameters()}.values())
     params = [p for p in params if p.requires_grad]
-    inputs = _grad_input(x)
-    in_tensors = _tensors(inputs)
-    in_keys = {t.untyped_storage()._cdata for t in in_tensors}
+    fwd_ms, bwd_ms = _times(stage, x, params, repeats)  # also warms up lazy initialisation
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
         return t
 
-    with (
-        track_memory(device, tensors=False) as fwd,
-        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-    ):
-        out = stage(inputs)
-    out_tensors = [t for t in _tensors(out) if t.untyped_storage()._cdata not in in_keys]
-    out_bytes = _storage_bytes(out_tensors)
-    grad_outs = [t for t in _tensors(out) if t.requires_grad]
-    kept = fwd.allocated_bytes - out_bytes
-    keeps_input = any(k in saved for k in in_keys)
-    keeps_output = any(t.untyped_storage()._cdata in saved for t in out_tensors)
-    # The loss below makes the output gradient inside the measured backward, and no Python
-    # reference keeps the output alive, so the output and its gradient are freed as in a
-    # real step; the gradient's size is then taken off the peak (the model adds it).
-    loss = sum(((t * torch.ones_like(t)).sum() for t in grad_outs), torch.zeros((), device=device))
-    next_value = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), out)
-    leaves = [t for t in in_tensors if t.requires_grad]
-    del out, grad_outs, out_tensors
-    for p in params:
-        p.grad = None
-    with track_memory(device, tensors=False) as bwd:
+    with _Windows(device) as windows:
+        inputs = _grad_input(x)
+        in_tensors = _tensors(inputs)
+        in_keys = {t.untyped_storage()._cdata for t in in_tensors}
+        windows.mark()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = stage(inputs)
+        windows.mark()
+        out_tensors = [t for t in _tensors(out) if t.untyped_storage()._cdata not in in_keys]
+        out_bytes = _storage_bytes(out_tensors)
+        keeps_input = any(k in saved for k in in_keys)
+        keeps_output = any(t.untyped_storage()._cdata in saved for t in out_tensors)
+        grad_outs = [t for t in _tensors(out) if t.requires_grad]
+        # The loss makes the output gradient inside the measured backward, and no Python
+        # reference keeps the output alive, so the output and its gradient are freed as in a
+        # real step; the gradient's size is then taken off the peak (the model adds it).
+        loss, seeds = _seeded_loss(grad_outs, device)
+        next_value = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), out)
+        leaves = [t for t in in_tensors if t.requires_grad]
+        del out, grad_outs, out_tensors
+        for p in params:
+            p.grad = None
+        windows.mark()
         if loss.requires_grad:
             loss.backward(inputs=[*leaves, *params] or None)
-    del loss
+        windows.mark()
+        del loss, seeds  # the seeds lived through the backward: a real step frees no such thing
+    (fwd_peak, fwd_net), (bwd_peak, _) = windows.result[1], windows.result[3]
     grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
-    fwd_ms, bwd_ms = _times(stage, x, params, repeats)
     for p in params:
         p.grad = None
     cost = StageCost(
@@ -150,19 +151,62 @@ def _measure(stage: Stage, x: Any, device: torch.device, repeats: int) -> tuple[
         bwd_ms=bwd_ms,
         in_bytes=_storage_bytes(in_tensors),
         out_bytes=out_bytes,
-        kept_bytes=max(0, kept),
+        kept_bytes=max(0, fwd_net - out_bytes),
         keeps_input=keeps_input,
         keeps_output=keeps_output,
-        fwd_peak_bytes=fwd.peak_bytes,
-        bwd_peak_bytes=max(0, bwd.peak_bytes - out_bytes),
+        fwd_peak_bytes=fwd_peak,
+        bwd_peak_bytes=max(0, bwd_peak - out_bytes),
         grad_bytes=grad_bytes,
     )
     return cost, next_value
 
 
+def _seeded_loss(outs: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A scalar whose backward sends ones into every output, and the ones (keep them alive)."""
+    total, seeds = torch.zeros((), device=device), []
+    while outs:
+        t = outs.pop()
+        seeds.append(torch.ones_like(t))
+        total = total + (t * seeds[-1]).sum()
+    return total, seeds
+
+
+class _Windows:
+    """Allocator (peak, net) bytes between marks: one CPU profiler session, or CUDA stats."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.session = _CpuAllocatorEvents() if device.type == "cpu" else None
+        self.result: list[tuple[int, int]] = []
+        self._base = 0
+
+    def __enter__(self) -> _Windows:
+        if self.session is not None:
+            self.session.start()
+        return self
+
+    def mark(self) -> None:
+        if self.session is not None:
+            mark()
+            return
+        torch.cuda.synchronize(self.device)
+        now = torch.cuda.memory_allocated(self.device)
+        if self.result or self._base:
+            peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            self.result.append((peak, now - self._base))
+        else:
+            self.result.append((0, 0))
+        self._base = now
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.session is not None:
+            self.result = self.session.stop_windows()
+
+
 def _times(stage: Stage, x: Any, params: list[nn.Parameter], repeats: int) -> tuple[float, float]:
     fwd, bwd = [], []
-    for _ in range(repeats):
+    for _ in range(max(1, repeats)):
         inputs = _grad_input(x)
         t0 = time.perf_counter()
         out = stage(inputs)
@@ -195,3 +239,41 @@ def profile_chain(model: nn.Module, chain: Chain, x: Any, static_bytes: int, *, 
         for p, g in grads:
             p.grad = g
     return Profile(chain.walker, chain.names, tuple(costs), static_bytes, str(device))
+
+
+def profile(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    mode: str | None = None,
+    repeats: int = 3,
+) -> Profile:
+    """Measure what every stage of ``model`` costs in one training step on these inputs.
+
+    Args:
+        model: any model ``auto_checkpoint`` accepts (checkpointed or not).
+        example_inputs: positional inputs, a batch of the size you train with.
+        example_kwargs: keyword inputs.
+        mode: force a walker, as for :func:`auto_checkpoint`.
+        repeats: timing repeats per stage (times are medians; bytes are exact).
+
+    Returns:
+        a :class:`Profile`; ``print`` it for a table, ``.to_json()`` for machines.
+
+    Example:
+        >>> import autockpt, torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        >>> prof = autockpt.profile(model, (torch.randn(4, 8),))
+        >>> [c.in_bytes for c in prof.costs]
+        [128, 128, 128]
+    """
+    from autockpt.apply import _as_args, _entry_value, _probe, _static_bytes
+    from autockpt.walk import build_chain
+    from autockpt.walkers import walk
+
+    walked = walk(model, mode, where="profile")
+    probe = _probe(model, walked, example_inputs, example_kwargs, "profile")
+    chain = build_chain(walked.walker, walked.units, probe)
+    x = _entry_value(walked, _as_args(example_inputs), dict(example_kwargs or {}), "profile")
+    return profile_chain(model, chain, x, _static_bytes(model, x), repeats=repeats)

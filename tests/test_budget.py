@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import math
 
 import pytest
@@ -93,7 +95,9 @@ def test_min_feasible_budget_is_feasible_and_tight(costs: tuple[StageCost, ...])
 def test_infeasible_budget_names_the_floor_and_the_stage() -> None:
     costs = (StageCost(1, 1, 1000, 1000, 0, True, False, 1000, 50 * MiB, 0),) * 3
     request = PlanRequest(stage_names=("a", "b", "c"), costs=costs, budget_bytes=MiB, static_bytes=0)
-    with pytest.raises(autockpt.PlanInfeasibleError, match=r"smallest achievable peak .* stage 'a'"):
+    with pytest.raises(
+        autockpt.PlanInfeasibleError, match=r"^budget planner: .*smallest achievable peak .* stage 'a'"
+    ):
         run_planner(get_planner("budget", where="t"), request, where="t")
 
 
@@ -178,3 +182,48 @@ def test_predicted_peak_matches_measured_and_the_budget_holds(name: str) -> None
         assert abs(measured - predicted) <= 0.10 * measured, (fraction, measured, predicted)
         assert measured <= 1.05 * fraction * unwrapped, (fraction, measured, unwrapped)
         autockpt.restore(model)
+
+
+def test_profile_bytes_are_exact_and_repeatable_while_times_may_vary() -> None:
+    model, x = chain(), torch.randn(64, 128)
+    first, second = autockpt.profile(model, (x,)), autockpt.profile(model, (x,))
+    strip = [dataclasses.replace(c, fwd_ms=0.0, bwd_ms=0.0) for c in first.costs]
+    assert strip == [dataclasses.replace(c, fwd_ms=0.0, bwd_ms=0.0) for c in second.costs]
+    activation = 64 * 128 * 4
+    assert first.costs[1].in_bytes == activation  # GELU's input
+    assert first.costs[0].keeps_input and first.costs[1].keeps_input  # Linear and GELU save inputs
+    assert all(c.grad_bytes == (128 * 128 + 128) * 4 for c in first.costs[::2])
+    text = str(first)
+    assert text.startswith("autockpt profile: walker='sequential'") and "bwd peak" in text
+    data = json.loads(first.to_json())
+    assert len(data["stages"]) == 32 and data["stages"][0]["name"] == "0"
+
+
+def test_profile_is_invisible() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 4)
+    rng = torch.get_rng_state()
+    autockpt.profile(model, (x,))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_auto_checkpoint_with_a_budget_trains_exactly() -> None:
+    x = torch.randn(1024, 128)
+    ref = chain()
+    model = autockpt.auto_checkpoint(chain(), budget=0.6, example_inputs=(x,))
+    plan = model.forward.plan
+    assert plan.strategy.startswith("budget=") and plan.checkpointed_segments >= 1
+    assert "predicted peak" in str(plan) and "predicted recompute time" in str(plan)
+    for m in (ref, model):
+        m(x).square().mean().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+def test_infeasible_budget_through_the_api() -> None:
+    with pytest.raises(
+        autockpt.PlanInfeasibleError, match=r"^auto_checkpoint: no plan fits budget=1\.00 KiB"
+    ):
+        autockpt.auto_checkpoint(chain(), budget=1024, example_inputs=(torch.randn(64, 128),))

@@ -13,22 +13,43 @@ import autockpt
 from autockpt.plan import Plan, Segment
 from autockpt.planners import PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import balanced_sizes, sqrt_segment_count, uniform_plan
+from autockpt.planners.budget import StageCost, min_feasible_budget, predict
 
 
 def request(n: int) -> PlanRequest:
     return PlanRequest(stage_names=tuple(str(i) for i in range(n)))
 
 
+def measured_request(n: int) -> PlanRequest:
+    """A request as after profiling, with a budget between the floor and the unwrapped peak."""
+    costs = tuple(StageCost(1.0 + i % 3, 2.0, 1000, 1000, 500 * (1 + i % 2), True, False, 1500, 3000, 100)
+                  for i in range(n))  # fmt: skip
+    unwrapped = predict((Segment(0, n, False),), costs).peak_bytes
+    floor = min_feasible_budget(costs)
+    return PlanRequest(
+        stage_names=tuple(str(i) for i in range(n)),
+        input_bytes=tuple(c.in_bytes for c in costs),
+        saved_bytes=tuple(c.kept_bytes + c.in_bytes for c in costs),
+        costs=costs,
+        budget_bytes=(floor + unwrapped) // 2,
+    )
+
+
 @pytest.mark.parametrize("name", autockpt.available_planners())
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 16, 20])
 def test_every_planner_tiles_the_chain_and_is_deterministic(name: str, n: int) -> None:
     fn = get_planner(name, where="test")
-    first = run_planner(fn, request(n), where="test")
-    assert first == run_planner(fn, request(n), where="test")
-    assert first[0].start == 0 and first[-1].stop == n
-    for a, b in itertools.pairwise(first):
-        assert a.stop == b.start
-    assert not first[-1].checkpoint, "the last segment buys nothing at the peak"
+    for req in (request(n), measured_request(n)):
+        if name == "budget" and req.costs is None:
+            continue
+        first = run_planner(fn, req, where="test")
+        assert first == run_planner(fn, req, where="test")
+        assert first[0].start == 0 and first[-1].stop == n
+        for a, b in itertools.pairwise(first):
+            assert a.stop == b.start
+        assert not first[-1].checkpoint, "the last segment buys nothing at the peak"
+        if req.costs is not None and req.budget_bytes is not None and name == "budget":
+            assert predict(first, req.costs).peak_bytes <= req.budget_bytes
 
 
 @pytest.mark.parametrize("n", range(1, 21))

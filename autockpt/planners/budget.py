@@ -280,7 +280,7 @@ def budget_planner(request: PlanRequest) -> tuple[Segment, ...]:
         model = _Model(request.costs)
         worst = max(range(request.n_stages), key=lambda i: request.costs[i].bwd_peak_bytes)  # type: ignore[index]
         raise PlanInfeasibleError(
-            f"make_plan: no plan fits budget={format_bytes(request.budget_bytes)}; the smallest "
+            f"budget planner: no plan fits budget={format_bytes(request.budget_bytes)}; the smallest "
             f"achievable peak for this model and input is {format_bytes(floor)} (parameters and "
             f"inputs {format_bytes(request.static_bytes)} included; no plan goes below the backward "
             f"working set of stage {request.stage_names[worst]!r}, "
