@@ -227,3 +227,27 @@ def test_infeasible_budget_through_the_api() -> None:
         autockpt.PlanInfeasibleError, match=r"^auto_checkpoint: no plan fits budget=1\.00 KiB"
     ):
         autockpt.auto_checkpoint(chain(), budget=1024, example_inputs=(torch.randn(64, 128),))
+
+
+def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> None:
+    import random
+
+    from autockpt.planners.budget import _solve_dense, _solve_exact
+
+    rng = random.Random(1)
+    costs = tuple(
+        StageCost(rng.uniform(1, 3), 2.0, 2**20, 2**20, rng.choice([0, 2**20, 4 * 2**20]), True,
+                  rng.random() < 0.3, 2 * 2**20, 3 * 2**20, 2**10)
+        for _ in range(80)
+    )  # fmt: skip
+    unwrapped = predict((Segment(0, 80, False),), costs).peak_bytes
+    floor = min_feasible_budget(costs)
+    budget = (floor + unwrapped) // 2
+    grid, exact = _solve_dense(costs, budget), _solve_exact(costs, budget)
+    assert grid is not None and exact is not None
+    assert predict(grid, costs).peak_bytes <= budget
+    assert (
+        predict(exact, costs).recompute_ms
+        <= predict(grid, costs).recompute_ms
+        <= 1.25 * predict(exact, costs).recompute_ms
+    )
