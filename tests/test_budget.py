@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torchvision
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -142,7 +143,8 @@ def test_budget_strings(text: str) -> None:
 
 
 def total_peak(model: nn.Module, x: torch.Tensor) -> int:
-    static = sum(p.numel() * p.element_size() for p in model.parameters()) + x.numel() * x.element_size()
+    tensors = [*model.parameters(), *model.buffers(), x]
+    static = sum(t.numel() * t.element_size() for t in tensors)
     for _ in range(2):
         for p in model.parameters():
             p.grad = None
@@ -157,6 +159,11 @@ CASES = {
         lambda: autockpt.models.NiN(10).to(memory_format=torch.channels_last),
         lambda: torch.randn(64, 3, 32, 32).to(memory_format=torch.channels_last),
         [1.0, 0.95, 0.92],
+    ),
+    "resnet18": (
+        lambda: torchvision.models.resnet18(),
+        lambda: torch.randn(32, 3, 64, 64),
+        [1.0, 0.95, 0.9],
     ),
     "deep_chain": (
         lambda: nn.Sequential(*[m for _ in range(32) for m in (nn.Linear(256, 256), nn.GELU())]),
