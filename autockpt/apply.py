@@ -61,6 +61,7 @@ def auto_checkpoint(
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     mode: str | None = None,
+    check: bool = False,
 ) -> nn.Module:
     """Checkpoint ``model`` in place so training keeps fewer activations alive.
 
@@ -88,6 +89,10 @@ def auto_checkpoint(
         mode: force a walker: ``"sequential"``, ``"graph"`` or ``"blocks"``. With the
             block walker, ``"sqrt"`` and an int ``k`` mean ``k`` (or ``ceil(sqrt(n))``)
             evenly spread blocks are checkpointed, each on its own.
+        check: with a budget, run one training step on the example inputs and measure its
+            real peak; if it is above the budget, plan again for a budget lowered by the
+            excess (up to three times). The measured figure goes into the plan's notes, and
+            a warning says so if the budget could not be kept.
 
     Returns:
         ``model`` itself.
@@ -110,7 +115,42 @@ def auto_checkpoint(
         model, segments, budget, example_inputs, example_kwargs, mode, where="auto_checkpoint"
     )
     _install(model, walked, chain, plan, plan if budget is not None else segments, probe)
+    if check and budget is not None:
+        _keep_the_promise(model, budget, example_inputs, example_kwargs, mode)
     return model
+
+
+def _keep_the_promise(
+    model: nn.Module,
+    budget: int | float | str,
+    example_inputs: Sequence[Any] | None,
+    example_kwargs: dict[str, Any] | None,
+    mode: str | None,
+) -> None:
+    """Measure the applied plan; while it exceeds the budget, plan for less and re-measure."""
+    from autockpt.verification import measure_step
+
+    fwd = _installed(model)
+    assert fwd is not None
+    args, kwargs = _as_args(example_inputs or ()), dict(example_kwargs or {})
+    target = fwd.plan.budget_bytes or 0
+    limit, measured = target, measure_step(model, args, kwargs)
+    for _ in range(3):
+        if measured <= target:
+            break
+        limit -= measured - target
+        try:
+            _, probe, chain, plan = _plan(model, "sqrt", limit, args, kwargs, mode, where="auto_checkpoint")
+        except PlanInfeasibleError:
+            break
+        _install(model, fwd.walked, chain, plan, plan, probe)
+        fwd = _installed(model)
+        assert fwd is not None
+        measured = measure_step(model, args, kwargs)
+    note = f"measured peak {format_bytes(measured)} for budget {format_bytes(target)}"
+    fwd.plan = Plan(**{**fwd.plan.__dict__, "notes": (*fwd.plan.notes, note)})
+    if measured > target:
+        warnings.warn(f"auto_checkpoint: {note}; no plan found that keeps it.", UserWarning, stacklevel=3)
 
 
 def make_plan(
@@ -184,6 +224,7 @@ def _plan(
     prediction = predict(segs, prof.costs)
     plan = Plan(
         strategy=f"budget={format_bytes(budget_bytes)}",
+        budget_bytes=budget_bytes,
         walker=chain.walker,
         stage_names=chain.names,
         stage_kinds=chain.kinds,

@@ -105,6 +105,7 @@ class Plan:
         predicted_peak_bytes: peak memory the planner predicted, when it had costs.
         predicted_recompute_ms: recompute time the planner predicted, when it had costs.
         notes: remarks for the reader (fused stages, fallbacks, warnings).
+        budget_bytes: the memory budget the plan was made for, if any.
 
     Example:
         >>> plan = Plan("2", "sequential", ("0", "1", "2"), ("Linear", "Tanh", "Linear"),
@@ -123,6 +124,7 @@ class Plan:
     predicted_peak_bytes: int | None = None
     predicted_recompute_ms: float | None = None
     notes: tuple[str, ...] = field(default=())
+    budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.stage_kinds) != len(self.stage_names):
@@ -168,6 +170,7 @@ class Plan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_recompute_ms": self.predicted_recompute_ms,
             "notes": list(self.notes),
+            "budget_bytes": self.budget_bytes,
         }
         return json.dumps(data, indent=2)
 
@@ -193,6 +196,7 @@ class Plan:
             predicted_peak_bytes=data.get("predicted_peak_bytes"),
             predicted_recompute_ms=data.get("predicted_recompute_ms"),
             notes=tuple(data.get("notes", ())),
+            budget_bytes=data.get("budget_bytes"),
         )
 
     def __str__(self) -> str:

@@ -193,11 +193,13 @@ def _requires_grad_copy(x: Any) -> Any:
     return x
 
 
-def _step(model: nn.Module, args: Sequence[Any], device: torch.device) -> _Step:
+def _step(
+    model: nn.Module, args: Sequence[Any], device: torch.device, kwargs: dict[str, Any] | None = None
+) -> _Step:
     inputs = [_requires_grad_copy(a) for a in args]
     gen = torch.Generator().manual_seed(0)
     with track_memory(device) as mem:
-        out = model(*inputs)
+        out = model(*inputs, **(kwargs or {}))
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         weights = [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in leaves]
         loss = sum(((t * w).sum() for t, w in zip(leaves, weights)), torch.zeros((), device=device))
@@ -263,3 +265,18 @@ def _compare(plan: Plan, ref: _Step, ckpt: _Step, atol: float, rtol: float) -> V
         atol=atol,
         rtol=rtol,
     )
+
+
+def measure_step(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> int:
+    """Allocator-level peak of one training step of ``model`` as it is now, parameters,
+    buffers and inputs included; the model is left exactly as it was."""
+    from autockpt.apply import _static_bytes
+
+    device = _device_of(model, args)
+    with _preserved(model) as fresh:
+        fresh()
+        _step(model, args, device, kwargs)  # warm-up
+        fresh()
+        step = _step(model, args, device, kwargs)
+    values = [*args, *(kwargs or {}).values()]
+    return _static_bytes(model, values) + step.memory.peak_bytes

@@ -258,3 +258,31 @@ def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> N
         <= predict(grid, costs).recompute_ms
         <= 1.25 * predict(exact, costs).recompute_ms
     )
+
+
+def test_check_measures_the_plan_and_records_the_figure() -> None:
+    x = torch.randn(1024, 128)
+    model = autockpt.auto_checkpoint(chain(), budget=0.7, example_inputs=(x,), check=True)
+    plan = model.forward.plan
+    assert plan.budget_bytes is not None
+    note = next(n for n in plan.notes if n.startswith("measured peak"))
+    assert note.endswith(f"for budget {autockpt.plan.format_bytes(plan.budget_bytes)}")
+    assert autockpt.Plan.from_json(plan.to_json()) == plan
+
+
+def test_check_tightens_a_plan_whose_prediction_was_too_low(monkeypatch: pytest.MonkeyPatch) -> None:
+    import autockpt.verification as verification
+
+    real = verification.measure_step
+    calls: list[int] = []
+
+    def optimistic_model(model: nn.Module, args: object, kwargs: object = None) -> int:
+        calls.append(1)
+        return real(model, args, kwargs) + (MiB if len(calls) == 1 else 0)  # first plan "too big"
+
+    monkeypatch.setattr(verification, "measure_step", optimistic_model)
+    x = torch.randn(1024, 128)
+    first = autockpt.make_plan(chain(), budget=0.7, example_inputs=(x,))
+    model = autockpt.auto_checkpoint(chain(), budget=0.7, example_inputs=(x,), check=True)
+    assert len(calls) == 2
+    assert model.forward.plan.predicted_peak_bytes < first.predicted_peak_bytes
