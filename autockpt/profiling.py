@@ -268,7 +268,7 @@ def profile(
         >>> [c.in_bytes for c in prof.costs]
         [128, 128, 128]
     """
-    from autockpt.apply import _as_args, _entry_value, _probe, _static_bytes
+    from autockpt.planning import _as_args, _entry_value, _probe, _static_bytes
     from autockpt.walk import build_chain
     from autockpt.walkers import walk
 

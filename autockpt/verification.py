@@ -17,9 +17,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autockpt.apply import SegmentsSpec, _as_args, _installed, auto_checkpoint, restore
+from autockpt.apply import auto_checkpoint, restore
+from autockpt.forward import installed as _installed
 from autockpt.memory import MemoryStats, track_memory
 from autockpt.plan import Plan, format_bytes
+from autockpt.planning import SegmentsSpec, _as_args
 from autockpt.runtime import buffer_slots, install_buffer_clones, reinstall_buffers
 
 __all__ = ["VerifyReport", "verify"]
@@ -270,7 +272,7 @@ def _compare(plan: Plan, ref: _Step, ckpt: _Step, atol: float, rtol: float) -> V
 def measure_step(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> int:
     """Allocator-level peak of one training step of ``model`` as it is now, parameters,
     buffers and inputs included; the model is left exactly as it was."""
-    from autockpt.apply import _static_bytes
+    from autockpt.planning import _static_bytes
 
     device = _device_of(model, args)
     with _preserved(model) as fresh:

@@ -1,0 +1,208 @@
+"""The forward a checkpointed model runs, stored on the model object.
+
+NOTE [The one-time dry run]
+    Whether a module modifies its input in place cannot always be read off its
+    attributes, so autockpt runs the model's modules once on a real input and watches
+    tensor version counters (see NOTE [In-place boundaries] in ``walk.py``). With
+    ``example_inputs`` this happens at planning time; without, on the first forward pass
+    that records gradients. The dry run is invisible: buffers and RNG are restored and
+    :func:`autockpt.is_recomputing` is true during it. If it finds a module that the
+    plan put right after a boundary, the plan is made again with the same strategy.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from autockpt.blocks import BlockCall, BlockForward
+from autockpt.errors import AutockptError
+from autockpt.graph import UnbindableError
+from autockpt.plan import Plan
+from autockpt.planning import SegmentsSpec, plan_chain
+from autockpt.runtime import SegmentRuntime, build_runtime, dry_run_state, run_segments
+from autockpt.walk import Chain, DryRun, Unit, build_chain, probe_units
+from autockpt.walkers import Walked, walk
+
+__all__ = ["CheckpointedForward", "install", "installed"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointedForward:
+    """What ``model.forward`` is while a model is checkpointed (picklable, deep-copyable)."""
+
+    _autockpt_forward = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        walked: Walked,
+        chain: Chain,
+        plan: Plan,
+        spec: SegmentsSpec,
+        probe: DryRun | None,
+        original_forward: Callable[..., Any] | None,
+    ) -> None:
+        self.model = model
+        self.walked = walked
+        self.plan = plan
+        self.spec = spec
+        self.probe = probe
+        self.original_forward = original_forward
+        self.blocks: list[nn.Module] = []
+        self.warned_unbindable = False
+        self.runtime: tuple[SegmentRuntime, ...] = ()
+        self._bind(chain)
+
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        """The walker's units, before fusion."""
+        return self.walked.units
+
+    def _bind(self, chain: Chain) -> None:
+        """Build the runtime for the current plan; for blocks, install their forwards."""
+        self.runtime = build_runtime(self.plan.segments, chain.stages)
+        if self.walked.walker != "blocks":
+            return
+        self.remove_blocks()
+        for rt in self.runtime:
+            if rt.segment.checkpoint:
+                (unit,) = rt.stages[0].units
+                call = unit.fn
+                assert isinstance(call, BlockCall)
+                call.block.__dict__["forward"] = BlockForward(rt, call)
+                self.blocks.append(call.block)
+
+    def remove_blocks(self) -> None:
+        """Give checkpointed blocks their own forward back."""
+        for block in self.blocks:
+            fwd = block.__dict__.pop("forward", None)
+            if isinstance(fwd, BlockForward) and fwd.call.original is not None:
+                block.__dict__["forward"] = fwd.call.original
+        self.blocks = []
+
+    def _plain(self, *args: Any, **kwargs: Any) -> Any:
+        if self.original_forward is not None:
+            return self.original_forward(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if (
+            not torch.is_grad_enabled()
+            or self.plan.checkpointed_segments == 0
+            or self.walked.walker == "blocks"  # the blocks checkpoint themselves
+        ):
+            return self._plain(*args, **kwargs)
+        program = self.walked.program
+        if program is None:
+            if len(args) != 1 or kwargs:
+                return self._plain(*args, **kwargs)  # let the model raise its own TypeError
+            x = args[0]
+        else:
+            if program.hooks_added():
+                self._retrace()
+                program = self.walked.program
+                assert program is not None
+            try:
+                x = program.bind(args, kwargs)
+            except UnbindableError as missing:
+                if not self.warned_unbindable:
+                    self.warned_unbindable = True
+                    warnings.warn(
+                        f"auto_checkpoint: {type(self.model).__name__} was traced with "
+                        f"{missing.args[0]!r} given, but it is None now; this call runs without "
+                        f"checkpointing. Pass it, or checkpoint with mode='blocks'.",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+                return self._plain(*args, **kwargs)
+        if self.probe is None:
+            self._dry_run(x)
+        out = run_segments(self.runtime, x)
+        return out if program is None else program.result(out)
+
+    def _retrace(self) -> None:
+        """Hooks were added to a module the trace went through: trace again, keeping it whole."""
+        logger.info("autockpt: hooks were added inside %s; tracing again", type(self.model).__name__)
+        self.walked = walk(self.model, "graph", where="auto_checkpoint")
+        self.probe = None
+        chain = build_chain("graph", self.walked.units)
+        spec = self.spec if self.spec is not None and not isinstance(self.spec, Plan) else self.plan.strategy
+        self.plan = plan_chain(chain, _respec(spec, len(chain.stages)), where="auto_checkpoint")
+        self._bind(chain)
+
+    def _dry_run(self, x: Any) -> None:
+        with dry_run_state(self.model, x):
+            self.probe = probe_units(self.units, x)
+        chain = build_chain(self.plan.walker, self.units, self.probe)
+        if isinstance(self.spec, Plan) or self.spec is None:
+            if chain.names == self.plan.stage_names and not (
+                chain.first_unit_unsafe and self.plan.segments[0].checkpoint
+            ):
+                return
+            raise AutockptError(
+                f"auto_checkpoint: the dry run found modules that modify their input in place "
+                f"at units {sorted(self.probe.unsafe)}, which the given plan puts after a boundary. "
+                f"Make the plan with autockpt.make_plan(model, example_inputs=(x,))."
+            )
+        # Re-plan with what the dry run found: fused stages and boundary sizes.
+        spec = self.spec
+        n = len(chain.stages)
+        if isinstance(spec, int) and spec > n:
+            warnings.warn(
+                f"auto_checkpoint: the dry run fused modules that modify their input in place, "
+                f"leaving {n} stages, so segments={spec} becomes segments={n}. Pass "
+                f"example_inputs=(x,) to auto_checkpoint to see the real stage count up front.",
+                UserWarning,
+                stacklevel=4,
+            )
+            spec = n
+        plan = plan_chain(chain, spec, where="auto_checkpoint", notes=self.walked.notes)
+        if plan != self.plan:
+            logger.info("autockpt: re-planned %r after the dry run", spec)
+            self.plan = plan
+            self._bind(chain)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        spec = state["spec"]
+        if callable(spec) and not isinstance(spec, Plan):
+            try:
+                pickle.dumps(spec)
+            except Exception:  # a lambda or local function: keep the plan, drop the recipe
+                state["spec"] = None
+        return state
+
+
+def _respec(spec: SegmentsSpec, n: int) -> SegmentsSpec:
+    """A strategy recorded as text ("3", "sqrt") back as an argument, clamped to ``n``."""
+    if isinstance(spec, str) and spec.isdigit():
+        spec = int(spec)
+    return min(spec, n) if isinstance(spec, int) else spec
+
+
+def installed(model: nn.Module) -> CheckpointedForward | None:
+    fwd = model.__dict__.get("forward")
+    return fwd if isinstance(fwd, CheckpointedForward) else None
+
+
+def install(
+    model: nn.Module,
+    walked: Walked,
+    chain: Chain,
+    plan: Plan,
+    spec: SegmentsSpec,
+    probe: DryRun | None,
+) -> None:
+    previous = installed(model)
+    if previous is not None:
+        previous.remove_blocks()
+    original = previous.original_forward if previous is not None else model.__dict__.get("forward")
+    model.__dict__["forward"] = CheckpointedForward(model, walked, chain, plan, spec, probe, original)
