@@ -15,6 +15,13 @@ Two figures, because they answer different questions:
 Both count bytes allocated *inside* the block above what was live at entry: parameters,
 inputs and anything created before are not included. Python-level tools such as
 ``tracemalloc`` see none of this and must not be used.
+
+Known limit of the CPU allocator level: the profiler learns a block's size only when it
+sees the allocation, and keeps sizes of blocks freed while no profiler runs. So when the
+block frees a tensor created *before* it, that free is missed, or, if glibc reused an
+address, counted with a stale size. Measure whole training steps (which free what they
+allocate) after a warm-up, as the tests and benchmarks do; ``autockpt.profile`` uses one
+session with markers for the same reason.
 """
 
 from __future__ import annotations
