@@ -433,5 +433,7 @@ def test_expansion_mlp_boundaries_sit_at_narrow_tensors(with_inputs: bool) -> No
     step(ck, x)  # without example inputs the first step's dry run re-plans
     assert_same_state(ref, ck)
     starts = [s.start for s in ck.forward.plan.segments]
-    assert len(starts) == 4  # sqrt(A / b): every stage saves about its input, so sqrt(15) -> 4
+    # about sqrt(15) segments (sqrt(A / b): every stage saves about its input); 5 of them, one
+    # per block, is what puts every boundary at a narrow tensor
+    assert len(starts) in (4, 5)
     assert all(ck.forward.plan.stage_kinds[i] == "Linear" and i % 3 == 0 for i in starts)

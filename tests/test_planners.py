@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 import autockpt
 from autockpt.plan import Plan, Segment
 from autockpt.planners import PlanRequest, get_planner, run_planner
-from autockpt.planners.basic import balanced_sizes, sqrt_segment_count, uniform_plan
+from autockpt.planners.basic import (
+    _byte_sizes,
+    balanced_sizes,
+    estimated_peak,
+    snap_boundaries,
+    sqrt_segment_count,
+    uniform_plan,
+)
 from autockpt.planners.budget import StageCost, min_feasible_budget, predict
 
 
@@ -224,3 +231,26 @@ def test_sqrt_on_bytes_balances_saved_bytes_not_stage_counts() -> None:
     per_segment = [sum(saved[s.start : s.stop]) for s in segs]
     assert len(segs[0]) == 1 and per_segment[0] == 800
     assert max(per_segment) <= 800
+
+
+def test_sqrt_on_bytes_starts_segments_at_the_heavy_half_of_each_block() -> None:
+    # 12 transformer blocks as (attention, MLP) stage pairs: attention saves ~3x the MLP and
+    # every input is equal; recomputing (MLP, attention) pairs would stack the MLP's saved
+    # bytes under the attention backward, so each segment must start at an attention stage
+    saved = [60, 22] * 12
+    segs = sqrt_with(saved, [4] * 24)
+    assert all(s.start % 2 == 0 for s in segs if s.checkpoint)
+    assert len(segs) in (12, 13)  # one per block; the last may be split off the plain tail
+
+
+@given(st.integers(2, 40), st.data())
+def test_sqrt_on_bytes_never_estimates_worse_than_the_split_at_sqrt_a_over_b(
+    n: int, data: st.DataObject
+) -> None:
+    saved = data.draw(st.lists(st.integers(1, 1000), min_size=n, max_size=n))
+    inputs = data.draw(st.lists(st.integers(1, 200), min_size=n, max_size=n))
+    k = min(n, math.ceil(math.sqrt(sum(saved) * (n - 1) / sum(inputs[1:]))))
+    plain = [0, *snap_boundaries(_byte_sizes(saved, k), tuple(inputs), tuple(saved)), n]
+    chosen = sqrt_with(saved, inputs)
+    bounds = [s.start for s in chosen] + [n]
+    assert estimated_peak(bounds, inputs, saved) <= estimated_peak(plain, inputs, saved)

@@ -9,14 +9,17 @@ larger segments first). Each planner runs in O(n).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
+from collections.abc import Sequence
 
 from autockpt.plan import Segment
 from autockpt.planners.registry import PlanRequest, register_planner, segments_from_sizes
 
 __all__ = [
     "balanced_sizes",
+    "estimated_peak",
     "none_planner",
     "snap_boundaries",
     "sqrt_planner",
@@ -54,55 +57,87 @@ def sqrt_planner(request: PlanRequest) -> tuple[Segment, ...]:
     Without measurements: ``ceil(sqrt(n))`` segments balanced by stage count. After a dry
     run has measured each stage's saved bytes ``a_i`` and input bytes, the rule is applied to
     bytes, as in the paper's derivation: ``k`` kept segment inputs of mean size ``b`` plus
-    one segment's activations ``A / k`` is smallest for ``k = sqrt(A / b)`` (which is
+    one segment's activations ``A / k`` is smallest near ``k = sqrt(A / b)`` (which is
     ``sqrt(n)`` when every stage saves about its input), and the segments are balanced by
     saved bytes. Then each boundary may move by up to half a segment to the stage whose
     input is smallest, so an expansion MLP keeps its narrow tensors rather than its 4x-wide
     ones (nearest wins ties, then the earlier).
+
+    Stages cannot be split, so the continuous optimum can miss: the counts ``1..2 sqrt(A/b)``
+    are all tried and the split with the least :func:`estimated_peak` wins (ties go to the
+    count nearest ``ceil(sqrt(A / b))``). O(n^1.5) with bytes, O(n) without.
     """
     n = request.n_stages
     sizes = balanced_sizes(n, sqrt_segment_count(n))
     if request.input_bytes is None:
         return segments_from_sizes(sizes, n, where="sqrt")
-    if request.saved_bytes is not None and n > 1:
-        sizes = _byte_sizes(request.saved_bytes, request.input_bytes) or sizes
-    starts = snap_boundaries(sizes, request.input_bytes)
-    bounds = [0, *starts, n]
+    inputs, saved = request.input_bytes, request.saved_bytes
+    if saved is None or n == 1 or sum(saved) <= 0 or sum(inputs[1:]) <= 0:
+        bounds = [0, *snap_boundaries(sizes, inputs), n]
+        return segments_from_sizes([b - a for a, b in itertools.pairwise(bounds)], n, where="sqrt")
+    best = math.ceil(math.sqrt(sum(saved) * (n - 1) / sum(inputs[1:])))
+    candidates = []
+    for k in range(1, min(n, 2 * best) + 1):
+        bounds = [0, *snap_boundaries(_byte_sizes(saved, k), inputs, saved), n]
+        candidates.append((estimated_peak(bounds, inputs, saved), abs(k - best), k, bounds))
+    bounds = min(candidates)[3]
     return segments_from_sizes([b - a for a, b in itertools.pairwise(bounds)], n, where="sqrt")
 
 
-def _byte_sizes(saved: tuple[int, ...], inputs: tuple[int, ...]) -> list[int] | None:
-    """Segment sizes for ``k = ceil(sqrt(A / b))`` segments of equal saved bytes."""
+def estimated_peak(bounds: Sequence[int], inputs: Sequence[int], saved: Sequence[int]) -> int:
+    """Peak of a single-level plan (all but the last segment checkpointed) from dry-run bytes.
+
+    Checkpoints keep their inputs; a segment's backward holds what its stages saved again,
+    and stage ``i``'s backward is assumed to need as much again as it saved (the gradients
+    of its saved tensors), on top of what the stages before it in its segment saved. So a
+    stage that saves much is cheaper at the start of a segment than at its end.
+    """
+    peak, held = 0, 0
+    for j, (s, t) in enumerate(itertools.pairwise(bounds)):
+        last = j == len(bounds) - 2
+        if not last:
+            held += inputs[s]
+        before = sum(saved[s:t]) if last else 0
+        running = 0
+        for i in range(s, t):
+            running += saved[i]
+            peak = max(peak, held + (before if last else running) + saved[i])
+    return peak
+
+
+def _byte_sizes(saved: Sequence[int], k: int) -> list[int]:
+    """Sizes of ``k`` segments that hold about equal saved bytes (each at least one stage)."""
     n, total = len(saved), sum(saved)
-    boundary = sum(inputs[1:]) / (n - 1)
-    if total <= 0 or boundary <= 0:
-        return None
-    k = min(n, max(1, math.ceil(math.sqrt(total / boundary))))
     cum = list(itertools.accumulate(saved))  # cum[i] = bytes saved by stages 0..i
     starts: list[int] = []
     for j in range(1, k):
-        target = total * j / k
-        p = next((i + 1 for i, c in enumerate(cum) if c >= target), n - 1)
+        p = bisect.bisect_left(cum, total * j / k) + 1
         p = max(p, starts[-1] + 1 if starts else 1)
         starts.append(min(p, n - (k - j)))
     bounds = [0, *starts, n]
     return [b - a for a, b in itertools.pairwise(bounds)]
 
 
-def snap_boundaries(sizes: list[int], input_bytes: tuple[int, ...]) -> list[int]:
+def snap_boundaries(
+    sizes: list[int], input_bytes: tuple[int, ...], saved_bytes: tuple[int, ...] | None = None
+) -> list[int]:
     """Start stages of segments 2..k, each moved within half a segment to the narrowest input.
 
+    Among equally narrow inputs the stage that saves the most starts the segment: inside a
+    recomputed segment a stage's backward runs on top of everything the stages before it
+    saved again, so the heaviest stage (an attention block's scores) should come first.
     O(n): every stage is a candidate for at most two boundaries.
     """
+    heavy = saved_bytes or (0,) * len(input_bytes)
     n, k = sum(sizes), len(sizes)
-    reach = min(sizes) // 2
+    reach = max(min(sizes) // 2, saved_bytes is not None)
     ideal = list(itertools.accumulate(sizes))[:-1]
     out: list[int] = []
     prev = 0
     for i, p in enumerate(ideal):
         lo = max(prev + 1, p - reach)
         hi = min(p + reach, n - (k - 1 - i))
-        best = min(range(lo, hi + 1), key=lambda j: (input_bytes[j], abs(j - p), j))
+        best = min(range(lo, hi + 1), key=lambda j: (input_bytes[j], -heavy[j], abs(j - p), j))
         out.append(best)
         prev = best
     return out
