@@ -74,7 +74,7 @@ def auto_checkpoint(
         ValueError: ``segments`` is out of range or names no planner.
         AutockptError: the model has nothing to checkpoint or cannot be walked.
 
-    Example:
+    Examples:
         >>> import autockpt, torch
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(9)])
         >>> model = autockpt.auto_checkpoint(model)
@@ -120,7 +120,10 @@ def _keep_the_promise(
         assert fwd is not None
         measured = measure_step(model, args, kwargs)
     note = f"measured peak {format_bytes(measured)} for budget {format_bytes(target)}"
-    fwd.plan = Plan(**{**fwd.plan.__dict__, "notes": (*fwd.plan.notes, note)})
+    if limit != target:
+        note += f" (planned for {format_bytes(limit)} to keep it)"
+    # the plan states the user's budget, whatever lower figure it was planned for
+    fwd.plan = Plan(**{**fwd.plan.__dict__, "budget_bytes": target, "notes": (*fwd.plan.notes, note)})
     if measured > target:
         warnings.warn(f"auto_checkpoint: {note}; no plan found that keeps it.", UserWarning, stacklevel=3)
 
@@ -139,7 +142,7 @@ def make_plan(
     For a model that is already checkpointed, the stages found by its earlier dry run are
     reused. Arguments are those of :func:`auto_checkpoint`.
 
-    Example:
+    Examples:
         >>> import autockpt, torch
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True),
         ...                             torch.nn.Linear(4, 4), torch.nn.Tanh())
@@ -166,7 +169,7 @@ def restore(model: nn.Module) -> nn.Module:
     Raises:
         AutockptError: ``model`` was never checkpointed by autockpt.
 
-    Example:
+    Examples:
         >>> import autockpt, torch
         >>> model = autockpt.auto_checkpoint(torch.nn.Sequential(torch.nn.Linear(2, 2)), "none")
         >>> autockpt.restore(model) is model and "forward" not in vars(model)

@@ -15,4 +15,12 @@ class AutockptError(RuntimeError):
 
 
 class PlanInfeasibleError(AutockptError):
-    """No plan satisfies the request (for example a memory budget below the minimum)."""
+    """No plan satisfies the request (for example a memory budget below the minimum).
+
+    Attributes:
+        min_budget_bytes: the smallest budget that has a plan, when the planner knows it.
+    """
+
+    def __init__(self, message: str, *, min_budget_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.min_budget_bytes = min_budget_bytes

@@ -21,13 +21,16 @@ sees the allocation, and keeps sizes of blocks freed while no profiler runs. So 
 block frees a tensor created *before* it, that free is missed, or, if glibc reused an
 address, counted with a stale size. Measure whole training steps (which free what they
 allocate) after a warm-up, as the tests and benchmarks do; ``autockpt.profile`` uses one
-session with markers for the same reason.
+session with markers for the same reason. Entering the block runs the garbage collector,
+so that objects already unreachable are not freed inside it (a flaky over-count seen in
+long test runs before this was done).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import sys
 import weakref
@@ -140,6 +143,9 @@ class _CpuAllocatorEvents:
         from torch._C._profiler import ProfilerConfig, ProfilerState
 
         config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, self._config)
+        # garbage from before the session must not be freed inside it, where its size may be
+        # unknown or stale (see the module docstring)
+        gc.collect()
         with _quiet_stderr():
             _autograd._prepare_profiler(config, self._activities)
             _autograd._enable_profiler(config, self._activities)
@@ -237,10 +243,10 @@ class track_memory:  # noqa: N801  (a context manager used like a function, as t
         allocator: also record the allocator level (on CPU through the profiler's memory
             events, so it cannot nest inside another profiler).
 
-    Yields:
-        a :class:`MemoryStats`, filled in when the block exits.
+    ``with track_memory(...) as mem`` binds a :class:`MemoryStats`, filled in when the
+    block exits.
 
-    Example:
+    Examples:
         >>> import autockpt, torch
         >>> with autockpt.track_memory("cpu") as mem:
         ...     x = torch.ones(1024, 1024)

@@ -8,7 +8,8 @@ model's forward.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+import weakref
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -22,11 +23,12 @@ from autockpt.planners import PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import sqrt_segment_count, uniform_plan
 from autockpt.planners.budget import predict
 from autockpt.planners.registry import Planner
+from autockpt.profiling import Profile, profile_chain
 from autockpt.runtime import dry_run_state
 from autockpt.walk import Chain, DryRun, Unit, build_chain, probe_units
 from autockpt.walkers import Walked, walk
 
-__all__ = ["SegmentsSpec", "plan_chain", "prepare"]
+__all__ = ["SegmentsSpec", "describe_peak", "plan_chain", "prepare"]
 
 SegmentsSpec = int | str | Planner | Plan
 
@@ -54,11 +56,9 @@ def prepare(
     chain = build_chain(walked.walker, walked.units, probe)
     if budget is None:
         return walked, probe, chain, plan_chain(chain, segments, where=where, notes=walked.notes)
-    from autockpt.profiling import profile_chain
-
     x = _entry_value(walked, _as_args(example_inputs or ()), dict(example_kwargs or {}), where)
     static = _static_bytes(model, x)
-    prof = profile_chain(model, chain, x, static)
+    prof = _cached_profile(model, chain, x, static)
     unwrapped = static + predict((Segment(0, len(chain.stages), False),), prof.costs).peak_bytes
     budget_bytes = parse_budget(budget, unwrapped_bytes=unwrapped, where=where)
     request = PlanRequest(
@@ -72,7 +72,9 @@ def prepare(
     try:
         segs = run_planner(get_planner("budget", where=where), request, where=where)
     except PlanInfeasibleError as err:
-        raise PlanInfeasibleError(str(err).replace("budget planner:", f"{where}:", 1)) from None
+        raise PlanInfeasibleError(
+            str(err).replace("budget planner:", f"{where}:", 1), min_budget_bytes=err.min_budget_bytes
+        ) from None
     prediction = predict(segs, prof.costs)
     plan = Plan(
         strategy=f"budget={format_bytes(budget_bytes)}",
@@ -87,9 +89,55 @@ def prepare(
             *walked.notes,
             *_fusion_notes(chain),
             f"unwrapped step predicted at {format_bytes(unwrapped)}",
+            f"the predicted peak falls in {describe_peak(prediction.peak_at, chain.names)}",
         ),
     )
     return walked, probe, chain, plan
+
+
+_PROFILES: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, Profile]] = weakref.WeakKeyDictionary()
+
+
+def _cached_profile(model: nn.Module, chain: Chain, x: Any, static: int) -> Profile:
+    """The model's profile for this chain and input signature, measured once.
+
+    Bytes do not depend on parameter values, so ``make_plan(model, budget=...)`` followed by
+    ``auto_checkpoint(model, budget=...)`` (or a retry at another budget) profiles once. The
+    key holds everything bytes depend on: the stages, the input's and the parameters'
+    shapes, dtypes, strides and devices, and train/eval mode.
+    """
+    per_model = _PROFILES.setdefault(model, {})
+    key = _profile_key(model, chain, x)
+    if key not in per_model:
+        per_model[key] = profile_chain(model, chain, x, static)
+    return per_model[key]
+
+
+def remember_profile(model: nn.Module, chain: Chain, x: Any, profile: Profile) -> None:
+    """Keep a profile measured by :func:`autockpt.profile` for later plans of ``model``."""
+    _PROFILES.setdefault(model, {})[_profile_key(model, chain, x)] = profile
+
+
+def _profile_key(model: nn.Module, chain: Chain, x: Any) -> Hashable:
+    return (chain.walker, chain.names, _signature(x), _signature(list(model.parameters())), model.training)
+
+
+def _signature(tree: Any) -> tuple[Hashable, ...]:
+    return tuple(
+        (tuple(v.shape), v.dtype, str(v.device), v.stride()) if isinstance(v, torch.Tensor) else repr(v)
+        for v in tree_leaves(tree)
+    )
+
+
+def describe_peak(at: tuple[int, int, str], names: Sequence[str]) -> str:
+    """Words for :attr:`Prediction.peak_at`, e.g. "the backward of stage '0+1'"."""
+    start, stop, phase = at
+    if phase == "loss":
+        return "the loss, between forward and backward"
+    if phase == "recompute":
+        span = repr(names[start]) if stop == start + 1 else f"{names[start]!r}..{names[stop - 1]!r}"
+        return f"the recompute and backward of the checkpointed segment {span}"
+    return f"the {phase} of stage {names[start]!r}"
 
 
 def _static_bytes(model: nn.Module, x: Any) -> int:

@@ -251,6 +251,9 @@ def profile(
 ) -> Profile:
     """Measure what every stage of ``model`` costs in one training step on these inputs.
 
+    A later ``make_plan`` or ``auto_checkpoint`` with a budget, on the same model and inputs
+    of the same shapes, plans from this profile instead of measuring again.
+
     Args:
         model: any model ``auto_checkpoint`` accepts (checkpointed or not).
         example_inputs: positional inputs, a batch of the size you train with.
@@ -261,14 +264,14 @@ def profile(
     Returns:
         a :class:`Profile`; ``print`` it for a table, ``.to_json()`` for machines.
 
-    Example:
+    Examples:
         >>> import autockpt, torch
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
         >>> prof = autockpt.profile(model, (torch.randn(4, 8),))
         >>> [c.in_bytes for c in prof.costs]
         [128, 128, 128]
     """
-    from autockpt.planning import _as_args, _entry_value, _probe, _static_bytes
+    from autockpt.planning import _as_args, _entry_value, _probe, _static_bytes, remember_profile
     from autockpt.walk import build_chain
     from autockpt.walkers import walk
 
@@ -276,4 +279,6 @@ def profile(
     probe = _probe(model, walked, example_inputs, example_kwargs, "profile")
     chain = build_chain(walked.walker, walked.units, probe)
     x = _entry_value(walked, _as_args(example_inputs), dict(example_kwargs or {}), "profile")
-    return profile_chain(model, chain, x, _static_bytes(model, x), repeats=repeats)
+    result = profile_chain(model, chain, x, _static_bytes(model, x), repeats=repeats)
+    remember_profile(model, chain, x, result)
+    return result

@@ -100,6 +100,26 @@ def test_infeasible_budget_names_the_floor_and_the_stage() -> None:
         autockpt.PlanInfeasibleError, match=r"^budget planner: .*smallest achievable peak .* stage 'a'"
     ):
         run_planner(get_planner("budget", where="t"), request, where="t")
+    with pytest.raises(autockpt.PlanInfeasibleError) as info:
+        run_planner(get_planner("budget", where="t"), request, where="t")
+    assert info.value.min_budget_bytes == min_feasible_budget(costs)
+    assert f"is {autockpt.plan.format_bytes(min_feasible_budget(costs))}" in str(info.value)
+
+
+def test_prediction_says_where_the_peak_falls() -> None:
+    light = StageCost(1, 1, 1000, 1000, 1000, True, False, 1000, 1000, 0)
+    heavy = dataclasses.replace(light, bwd_peak_bytes=50 * MiB)
+    costs = (light, heavy, light, light)
+    assert predict((Segment(0, 4, False),), costs).peak_at == (1, 2, "backward")
+    split = (Segment(0, 2, True), Segment(2, 4, False))
+    assert predict(split, costs).peak_at == (0, 2, "recompute")
+    wide_out = dataclasses.replace(light, out_bytes=80 * MiB, fwd_peak_bytes=80 * MiB)
+    assert predict((Segment(0, 2, False),), (light, wide_out)).peak_at == (2, 2, "loss")
+
+
+def test_budget_plans_name_where_the_predicted_peak_falls() -> None:
+    plan = autockpt.make_plan(chain(), budget=1.0, example_inputs=(torch.randn(64, 128),))
+    assert any(n.startswith("the predicted peak falls in the ") for n in plan.notes)
 
 
 def test_budget_planner_without_costs_says_what_it_needs() -> None:
@@ -266,7 +286,7 @@ def test_check_measures_the_plan_and_records_the_figure() -> None:
     plan = model.forward.plan
     assert plan.budget_bytes is not None
     note = next(n for n in plan.notes if n.startswith("measured peak"))
-    assert note.endswith(f"for budget {autockpt.plan.format_bytes(plan.budget_bytes)}")
+    assert f"for budget {autockpt.plan.format_bytes(plan.budget_bytes)}" in note
     assert autockpt.Plan.from_json(plan.to_json()) == plan
 
 
@@ -286,3 +306,39 @@ def test_check_tightens_a_plan_whose_prediction_was_too_low(monkeypatch: pytest.
     model = autockpt.auto_checkpoint(chain(), budget=0.7, example_inputs=(x,), check=True)
     assert len(calls) == 2
     assert model.forward.plan.predicted_peak_bytes < first.predicted_peak_bytes
+    assert model.forward.plan.budget_bytes == first.budget_bytes  # the user's budget, not the limit
+    assert any("planned for" in n for n in model.forward.plan.notes)
+
+
+def test_a_model_is_profiled_once_per_input_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    import autockpt.planning as planning
+
+    calls: list[tuple[int, ...]] = []
+    real = planning.profile_chain
+
+    def counting(model: nn.Module, chain: object, x: torch.Tensor, static: int) -> autockpt.Profile:
+        calls.append(tuple(x.shape))
+        return real(model, chain, x, static)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(planning, "profile_chain", counting)
+    model = chain()
+    x = torch.randn(1024, 128)
+    first = autockpt.make_plan(model, budget=0.7, example_inputs=(x,))
+    autockpt.auto_checkpoint(model, budget=0.7, example_inputs=(x,))
+    assert model.forward.plan.segments == first.segments
+    autockpt.make_plan(model, budget=0.9, example_inputs=(torch.randn(1024, 128),))
+    assert calls == [(1024, 128)]  # same shapes: measured once
+    autockpt.make_plan(model, budget=0.9, example_inputs=(torch.randn(512, 128),))
+    autockpt.make_plan(model.double(), budget=0.9, example_inputs=(torch.randn(512, 128).double(),))
+    assert calls == [(1024, 128), (512, 128), (512, 128)]  # a new batch size or dtype: measured again
+
+
+def test_plans_reuse_a_profile_the_user_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    import autockpt.planning as planning
+
+    model, x = chain(), torch.randn(1024, 128)
+    prof = autockpt.profile(model, (x,))
+    monkeypatch.setattr(planning, "profile_chain", None)  # any new measurement would fail
+    plan = autockpt.make_plan(model, budget=0.7, example_inputs=(x,))
+    assert plan.budget_bytes is not None and plan.predicted_peak_bytes is not None
+    assert prof.static_bytes < plan.predicted_peak_bytes <= plan.budget_bytes

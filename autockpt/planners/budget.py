@@ -84,10 +84,17 @@ class StageCost:
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted figures of a plan under the cost model."""
+    """Predicted figures of a plan under the cost model.
+
+    ``peak_at`` says where the peak falls: ``(start, stop, phase)`` with phase
+    ``"forward"`` or ``"backward"`` of plain stage ``start``, ``"recompute"`` for the
+    recompute and backward of checkpointed segment ``[start, stop)``, or ``"loss"``
+    (between forward and backward, ``start == stop ==`` the number of stages).
+    """
 
     peak_bytes: int
     recompute_ms: float
+    peak_at: tuple[int, int, str] = (0, 0, "loss")
 
 
 class _Model:
@@ -146,22 +153,29 @@ def predict(segments: Sequence[Segment], costs: Sequence[StageCost]) -> Predicti
     """
     model = _Model(costs)
     held, peak, recompute, kept = 0, 0, 0.0, False
+    at: tuple[int, int, str] = (0, 0, "loss")
     for seg in segments:
         if seg.checkpoint:
             local, ms = next(
                 v for t, v in enumerate(model.checkpoint_locals(seg.start, kept), start=seg.start + 1)
                 if t == seg.stop
             )  # fmt: skip
-            peak = max(peak, held + local)
+            if held + local > peak:
+                peak, at = held + local, (seg.start, seg.stop, "recompute")
             held += model.checkpoint_held(seg.start, kept)
             recompute += ms
             kept = False
         else:
             for i in range(seg.start, seg.stop):
-                peak = max(peak, held + model.plain_local(i, kept))
+                local = model.plain_local(i, kept)
+                if held + local > peak:
+                    fwd = costs[i].in_bytes * (not kept) + costs[i].fwd_peak_bytes
+                    peak, at = held + local, (i, i + 1, "forward" if fwd == local else "backward")
                 held += model.held(i, kept)
                 kept = costs[i].keeps_output
-    return Prediction(max(peak, held + model.loss), recompute)
+    if held + model.loss > peak:
+        peak, at = held + model.loss, (len(costs), len(costs), "loss")
+    return Prediction(peak, recompute, at)
 
 
 def _solve(costs: Sequence[StageCost], budget: int) -> tuple[Segment, ...] | None:
@@ -368,7 +382,8 @@ def budget_planner(request: PlanRequest) -> tuple[Segment, ...]:
             f"achievable peak for this model and input is {format_bytes(floor)} (parameters and "
             f"inputs {format_bytes(request.static_bytes)} included; no plan goes below the backward "
             f"working set of stage {request.stage_names[worst]!r}, "
-            f"{format_bytes(model.plain_local(worst, False))}). Raise the budget or reduce the batch size."
+            f"{format_bytes(model.plain_local(worst, False))}). Raise the budget or reduce the batch size.",
+            min_budget_bytes=floor,
         )
     return plan
 
