@@ -9,6 +9,7 @@ is left exactly as it was: forward, buffers, ``.grad`` and RNG state.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,12 @@ class VerifyReport:
         """Checkpointed over unwrapped allocator-level peak."""
         return self.peak_bytes_checkpointed / max(1, self.peak_bytes_unwrapped)
 
+    def to_json(self) -> str:
+        """The report as JSON: ``ok``, every figure, and the plan as :meth:`Plan.to_json` has it."""
+        figures = {k: v for k, v in self.__dict__.items() if k != "plan"}
+        figures["mismatches"] = list(self.mismatches)
+        return json.dumps({"ok": self.ok, **figures, "plan": json.loads(self.plan.to_json())}, indent=2)
+
     def __str__(self) -> str:
         verdict = "OK" if self.ok else f"MISMATCH in {len(self.mismatches)}: {', '.join(self.mismatches[:5])}"
         tol = f"atol={self.atol:g}, rtol={self.rtol:g}"
@@ -119,7 +126,7 @@ def verify(
     Returns:
         a :class:`VerifyReport`; ``report.ok`` tells whether everything matched.
 
-    Example:
+    Examples:
         >>> import autockpt, torch
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)]).double()
         >>> autockpt.verify(model, (torch.randn(2, 4, dtype=torch.float64),)).ok

@@ -113,3 +113,22 @@ class ManyOutputs(nn.Module):
         h = self.c(h * scale)
         out = self.d(h)
         return {"pair": (out, None), "stats": stats, "tail": Pair(out * 2, h)}
+
+
+class Drift(nn.Module):
+    """Adds how often it has run: impure, so recomputing it changes the activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + 0.01 * self.calls
+
+
+def drifting_chain(width: int = 8) -> nn.Sequential:
+    """A chain that ``verify`` must reject: its output depends on the number of calls."""
+    return nn.Sequential(
+        nn.Linear(width, width), Drift(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 2)
+    )

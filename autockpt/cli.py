@@ -1,0 +1,225 @@
+"""The ``autockpt`` command: profile, plan and verify any importable model factory.
+
+    autockpt plan torchvision.models:resnet50 --input 8x3x224x224 --budget 0.5
+    autockpt verify autockpt.models:NiN --input 16x3x32x32 --segments sqrt
+    autockpt profile mypkg.nets:build --kwargs '{"depth": 12}' --input 4x256:int64 --json
+
+Tables for people by default, ``--json`` for machines. Exit codes: 0 success, 1 when
+``verify`` finds a mismatch (or a budget is infeasible), 2 for a bad command line (unknown
+module, bad shape string) as argparse does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["load_factory", "main", "parse_input"]
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "float64": torch.float64, "double": torch.float64,
+    "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int32,
+    "bool": torch.bool,
+}  # fmt: skip
+
+
+class CommandLineError(ValueError):
+    """A bad spec on the command line; reported by argparse with exit code 2."""
+
+
+def parse_input(spec: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """``"8x3x224x224"`` or ``"4x256:int64"`` to a shape and a dtype (default float32).
+
+    Examples:
+        >>> parse_input("8x3x32x32")
+        ((8, 3, 32, 32), torch.float32)
+        >>> parse_input("4x256:int64")
+        ((4, 256), torch.int64)
+    """
+    shape_text, _, dtype_text = spec.partition(":")
+    dtype_name = dtype_text.strip().lower() or "float32"
+    if dtype_name not in _DTYPES:
+        raise CommandLineError(
+            f"--input {spec!r}: unknown dtype {dtype_text!r}; use one of {', '.join(sorted(_DTYPES))}."
+        )
+    try:
+        shape = tuple(int(part) for part in shape_text.lower().split("x"))
+    except ValueError:
+        raise CommandLineError(
+            f"--input {spec!r} is not a shape; write sizes joined by 'x', e.g. 8x3x224x224 "
+            f"(optionally ':int64' for integer inputs such as token ids)."
+        ) from None
+    if not shape or any(n <= 0 for n in shape):
+        raise CommandLineError(f"--input {spec!r}: every size must be a positive integer.")
+    return shape, _DTYPES[dtype_name]
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """``"package.module:name"`` to the callable it names.
+
+    Examples:
+        >>> load_factory("autockpt.models:NiN").__name__
+        'NiN'
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CommandLineError(
+            f"model {spec!r}: write MODULE:FACTORY, e.g. torchvision.models:resnet50 or autockpt.models:NiN."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise CommandLineError(f"model {spec!r}: cannot import module {module_name!r} ({err}).") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise CommandLineError(f"model {spec!r}: module {module_name!r} has no attribute {attr!r}.")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise CommandLineError(f"model {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable factory.")
+    return obj  # type: ignore[no-any-return]
+
+
+def _example(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, channels_last: bool
+) -> torch.Tensor:
+    """A seeded random input: normal floats, or zeros for integers (a valid index for any embedding)."""
+    if dtype.is_floating_point:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    else:
+        x = torch.zeros(shape, dtype=dtype, device=device)
+    return x.to(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
+
+
+def _build(args: argparse.Namespace) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    factory = load_factory(args.model)
+    try:
+        kwargs = json.loads(args.kwargs) if args.kwargs else {}
+    except json.JSONDecodeError as err:
+        raise CommandLineError(
+            f"--kwargs {args.kwargs!r} is not JSON ({err.msg}); e.g. '{{\"num_classes\": 10}}'."
+        ) from None
+    if not isinstance(kwargs, dict):
+        raise CommandLineError(f"--kwargs {args.kwargs!r} must be a JSON object of keyword arguments.")
+    device = torch.device(args.device)
+    specs = [parse_input(s) for s in args.input]
+    model = factory(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise CommandLineError(f"model {args.model!r} returned a {type(model).__name__}, not an nn.Module.")
+    model = model.to(device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model.train(not args.eval)
+    floating = {dtype for _, dtype in specs if dtype.is_floating_point}
+    if len(floating) == 1 and floating != {torch.float32}:
+        model = model.to(floating.pop())
+    return model, tuple(_example(shape, dtype, device, args.channels_last) for shape, dtype in specs)
+
+
+def _segments(text: str) -> int | str:
+    return int(text) if text.isdigit() else text
+
+
+def _budget(text: str | None) -> int | float | str | None:
+    if text is None:
+        return None
+    try:
+        return int(text) if text.isdigit() else float(text)
+    except ValueError:
+        return text
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import autockpt
+
+    model, inputs = _build(args)
+    prof = autockpt.profile(model, inputs, mode=args.mode, repeats=args.repeats)
+    print(prof.to_json() if args.json else prof)
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import autockpt
+
+    model, inputs = _build(args)
+    plan = autockpt.make_plan(
+        model, _segments(args.segments), budget=_budget(args.budget), example_inputs=inputs, mode=args.mode
+    )
+    print(plan.to_json() if args.json else plan)
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    import autockpt
+
+    model, inputs = _build(args)
+    model = autockpt.auto_checkpoint(
+        model, _segments(args.segments), budget=_budget(args.budget), example_inputs=inputs, mode=args.mode
+    )
+    report = autockpt.verify(model, inputs, atol=args.atol, rtol=args.rtol)
+    print(report.to_json() if args.json else report)
+    return 0 if report.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autockpt", description="Profile, plan and verify activation checkpointing for a model."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{profile,plan,verify}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("model", help="MODULE:FACTORY, e.g. torchvision.models:resnet50")
+    common.add_argument(
+        "--input", action="append", required=True, metavar="SHAPE[:DTYPE]",
+        help="an example input, e.g. 8x3x224x224 or 4x256:int64; repeat for several",
+    )  # fmt: skip
+    common.add_argument("--kwargs", default=None, help="JSON keyword arguments for the factory")
+    common.add_argument("--device", default="cpu")
+    common.add_argument("--channels-last", action="store_true", help="model and 4-d inputs in channels_last")
+    common.add_argument("--eval", action="store_true", help="eval mode (default: training mode)")
+    common.add_argument(
+        "--mode", choices=["sequential", "graph", "blocks"], default=None, help="force a walker"
+    )
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    planning = argparse.ArgumentParser(add_help=False)
+    planning.add_argument("--segments", default="sqrt", help="'sqrt' (default), 'none' or a number")
+    planning.add_argument("--budget", default=None, help="bytes, '2GiB', or a fraction such as 0.5")
+    p = sub.add_parser("profile", parents=[common], help="per-stage time and bytes of one training step")
+    p.add_argument("--repeats", type=int, default=3, help="timing repeats per stage")
+    p.set_defaults(run=_cmd_profile)
+    p = sub.add_parser("plan", parents=[common, planning], help="the plan auto_checkpoint would apply")
+    p.set_defaults(run=_cmd_plan)
+    p = sub.add_parser("verify", parents=[common, planning], help="gradients and peak vs the unwrapped model")
+    p.add_argument("--atol", type=float, default=0.0)
+    p.add_argument("--rtol", type=float, default=0.0)
+    p.set_defaults(run=_cmd_verify)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    from autockpt.errors import PlanInfeasibleError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "budget", None) is not None and args.segments != "sqrt":
+        parser.error("pass --segments or --budget, not both")
+    try:
+        code: int = args.run(args)
+    except PlanInfeasibleError as err:
+        print(f"autockpt: {err}", file=sys.stderr)
+        return 1
+    except (CommandLineError, ValueError, TypeError) as err:  # bad values reach us as these
+        parser.error(str(err))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
