@@ -1,6 +1,6 @@
 """autockpt: automatic, exact activation checkpointing for PyTorch models.
 
-Example:
+Examples:
     >>> import autockpt, torch
     >>> model = autockpt.auto_checkpoint(autockpt.models.NiN(10))
     >>> print(autockpt.make_plan(model).strategy)

@@ -107,7 +107,7 @@ class Plan:
         notes: remarks for the reader (fused stages, fallbacks, warnings).
         budget_bytes: the memory budget the plan was made for, if any.
 
-    Example:
+    Examples:
         >>> plan = Plan("2", "sequential", ("0", "1", "2"), ("Linear", "Tanh", "Linear"),
         ...             (Segment(0, 2, True), Segment(2, 3, False)))
         >>> plan.recomputed_stages

@@ -42,7 +42,7 @@ def is_recomputing() -> bool:
     That is a recompute in backward, or the one-time dry run that looks for in-place
     modules. Hooks and stateful code use it to act once per step.
 
-    Example:
+    Examples:
         >>> import autockpt, torch
         >>> calls = []
         >>> def hook(module, args, out):

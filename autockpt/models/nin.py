@@ -20,7 +20,7 @@ class NiN(nn.Sequential):
     Args:
         num_classes: number of output classes (10 for CIFAR-10).
 
-    Example:
+    Examples:
         >>> import torch
         >>> NiN(10)(torch.zeros(2, 3, 32, 32)).shape
         torch.Size([2, 10])

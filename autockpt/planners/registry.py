@@ -78,7 +78,7 @@ def register_planner(name: str, fn: Planner, *, overwrite: bool = False) -> None
         ValueError: the name is taken (and ``overwrite`` is false) or is empty.
         TypeError: ``fn`` is not callable.
 
-    Example:
+    Examples:
         >>> import autockpt
         >>> autockpt.register_planner("halves", lambda req: [req.n_stages // 2,
         ...                           req.n_stages - req.n_stages // 2], overwrite=True)
