@@ -12,6 +12,7 @@ module, bad shape string) as argparse does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -92,7 +93,9 @@ def _example(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, channels_last: bool
 ) -> torch.Tensor:
     """A seeded random input: normal floats, or zeros for integers (a valid index for any embedding)."""
-    if dtype.is_floating_point:
+    if device.type == "meta":
+        x = torch.empty(shape, dtype=dtype, device=device)
+    elif dtype.is_floating_point:
         x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device, dtype)
     else:
         x = torch.zeros(shape, dtype=dtype, device=device)
@@ -111,7 +114,9 @@ def _build(args: argparse.Namespace) -> tuple[nn.Module, tuple[torch.Tensor, ...
         raise CommandLineError(f"--kwargs {args.kwargs!r} must be a JSON object of keyword arguments.")
     device = torch.device(args.device)
     specs = [parse_input(s) for s in args.input]
-    model = factory(**kwargs)
+    # on the meta device nothing is allocated, so models larger than this machine can be planned
+    with torch.device("meta") if device.type == "meta" else contextlib.nullcontext():
+        model = factory(**kwargs)
     if not isinstance(model, nn.Module):
         raise CommandLineError(f"model {args.model!r} returned a {type(model).__name__}, not an nn.Module.")
     model = model.to(device)
@@ -160,6 +165,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     import autockpt
 
+    if torch.device(args.device).type == "meta":
+        raise CommandLineError("verify runs a training step, which the meta device cannot; use cpu or cuda.")
     model, inputs = _build(args)
     model = autockpt.auto_checkpoint(
         model, _segments(args.segments), budget=_budget(args.budget), example_inputs=inputs, mode=args.mode

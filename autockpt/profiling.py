@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from autockpt.memory import _CpuAllocatorEvents, mark
+from autockpt.memory import _CpuAllocatorEvents, _StorageTracker, mark
 from autockpt.plan import format_bytes
 from autockpt.planners.budget import StageCost
 from autockpt.runtime import dry_run_state
@@ -108,7 +108,10 @@ def _grad_input(x: Any) -> Any:
 def _measure(stage: Stage, x: Any, device: torch.device, repeats: int) -> tuple[StageCost, Any]:
     params = list({id(p): p for u in stage.units for m in u.modules for p in m.parameters()}.values())
     params = [p for p in params if p.requires_grad]
-    fwd_ms, bwd_ms = _times(stage, x, params, repeats)  # also warms up lazy initialisation
+    if device.type == "meta":
+        fwd_ms, bwd_ms = _nominal_times(stage, x, params)
+    else:
+        fwd_ms, bwd_ms = _times(stage, x, params, repeats)  # also warms up lazy initialisation
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -172,22 +175,31 @@ def _seeded_loss(outs: list[torch.Tensor], device: torch.device) -> tuple[torch.
 
 
 class _Windows:
-    """Allocator (peak, net) bytes between marks: one CPU profiler session, or CUDA stats."""
+    """(peak, net) bytes between marks: one CPU profiler session, CUDA allocator stats, or,
+    on the meta device, the storages of tensors created (nothing is allocated there)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.session = _CpuAllocatorEvents() if device.type == "cpu" else None
+        self.tensors = _StorageTracker("meta") if device.type == "meta" else None
         self.result: list[tuple[int, int]] = []
         self._base = 0
 
     def __enter__(self) -> _Windows:
         if self.session is not None:
             self.session.start()
+        if self.tensors is not None:
+            self.tensors.__enter__()
         return self
 
     def mark(self) -> None:
         if self.session is not None:
             mark()
+            return
+        if self.tensors is not None:
+            live, peak = self.tensors.live, self.tensors.peak
+            self.result.append((peak - self._base, live - self._base) if self.result else (0, 0))
+            self._base = self.tensors.peak = live
             return
         torch.cuda.synchronize(self.device)
         now = torch.cuda.memory_allocated(self.device)
@@ -202,6 +214,38 @@ class _Windows:
     def __exit__(self, *exc: object) -> None:
         if self.session is not None:
             self.result = self.session.stop_windows()
+        if self.tensors is not None:
+            self.tensors.__exit__(None, None, None)
+
+
+# Nominal speeds for meta profiles: relative stage costs are what the planner needs.
+_NOMINAL_FLOPS_PER_MS = 1e9  # 1 TFLOP/s
+_NOMINAL_BYTES_PER_MS = 1e9  # 1 TB/s
+
+
+def _nominal_times(stage: Stage, x: Any, params: list[nn.Parameter]) -> tuple[float, float]:
+    """Forward and backward "ms" of a meta stage from its FLOPs and output bytes.
+
+    Nothing runs on a meta tensor, so there is no time to measure; FLOPs (matmuls and
+    convolutions, from ``FlopCounterMode``) at a nominal 1 TFLOP/s, plus writing the output
+    at a nominal 1 TB/s so that elementwise stages are not free, rank recompute costs well
+    enough for the planner. Absolute figures mean nothing.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    inputs = _grad_input(x)
+    with FlopCounterMode(display=False) as fwd_counter:
+        out = stage(inputs)
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    moved = _storage_bytes(_tensors(out)) / _NOMINAL_BYTES_PER_MS
+    with FlopCounterMode(display=False) as bwd_counter:
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    for p in params:
+        p.grad = None
+    fwd = fwd_counter.get_total_flops() / _NOMINAL_FLOPS_PER_MS + moved
+    bwd = bwd_counter.get_total_flops() / _NOMINAL_FLOPS_PER_MS + 2 * moved
+    return fwd, bwd
 
 
 def _times(stage: Stage, x: Any, params: list[nn.Parameter], repeats: int) -> tuple[float, float]:
@@ -253,6 +297,14 @@ def profile(
 
     A later ``make_plan`` or ``auto_checkpoint`` with a budget, on the same model and inputs
     of the same shapes, plans from this profile instead of measuring again.
+
+    The device is the inputs'. On CPU and CUDA, bytes are allocator-level and times are
+    measured. On the **meta** device (a model built under ``with torch.device("meta"):``
+    and ``torch.empty(..., device="meta")`` inputs) nothing is allocated or run: bytes are
+    those of the tensors the stages would create (backend workspaces, such as oneDNN's in
+    NCHW convolution backward, are not seen) and times are nominal, from FLOP counts. This
+    plans models far larger than the machine; the plan then applies to the real model,
+    whose stage names are the same.
 
     Args:
         model: any model ``auto_checkpoint`` accepts (checkpointed or not).

@@ -129,3 +129,21 @@ def test_python_dash_m_runs_the_same_command() -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["walker"] == "sequential"
+
+
+def test_plans_on_the_meta_device_and_refuses_to_verify_there(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "plan",
+        "autockpt.models:NiN",
+        "--input",
+        "4096x3x32x32",
+        "--device",
+        "meta",
+        "--budget",
+        "0.9",
+        "--json",
+    ]
+    code, out, _ = run(argv, capsys)
+    assert code == 0 and json.loads(out)["budget_bytes"] > 8 * 2**30  # far beyond what CI allocates
+    code, _, err = run(["verify", "autockpt.models:NiN", "--input", "2x3x32x32", "--device", "meta"], capsys)
+    assert code == 2 and "meta device" in err
