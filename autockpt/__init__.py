@@ -9,7 +9,7 @@ Examples:
 
 from autockpt import models
 from autockpt.apply import auto_checkpoint, make_plan, restore
-from autockpt.errors import AutockptError, PlanInfeasibleError
+from autockpt.errors import AutockptError, MutationError, PlanInfeasibleError
 from autockpt.memory import MemoryStats, track_memory
 from autockpt.plan import Plan, Segment
 from autockpt.planners import PlanRequest, available_planners, register_planner
@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AutockptError",
     "MemoryStats",
+    "MutationError",
     "Plan",
     "PlanInfeasibleError",
     "PlanRequest",

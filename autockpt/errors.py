@@ -7,7 +7,7 @@ catch the whole family with one ``except``.
 
 from __future__ import annotations
 
-__all__ = ["AutockptError", "PlanInfeasibleError"]
+__all__ = ["AutockptError", "MutationError", "PlanInfeasibleError"]
 
 
 class AutockptError(RuntimeError):
@@ -24,3 +24,9 @@ class PlanInfeasibleError(AutockptError):
     def __init__(self, message: str, *, min_budget_bytes: int | None = None) -> None:
         super().__init__(message)
         self.min_budget_bytes = min_budget_bytes
+
+
+class MutationError(AutockptError):
+    """A parameter or buffer changed in place, or a module changed train/eval mode, between
+    the forward and the backward of a checkpointed segment, which would make its recompute
+    give wrong gradients."""

@@ -9,6 +9,7 @@ medians of repeats and stay noisy. The run is invisible like the dry run: buffer
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -111,7 +112,7 @@ def _measure(stage: Stage, x: Any, device: torch.device, repeats: int) -> tuple[
     if device.type == "meta":
         fwd_ms, bwd_ms = _nominal_times(stage, x, params)
     else:
-        fwd_ms, bwd_ms = _times(stage, x, params, repeats)  # also warms up lazy initialisation
+        fwd_ms, bwd_ms = _times(stage, x, params, repeats, device)  # also warms up
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -248,19 +249,48 @@ def _nominal_times(stage: Stage, x: Any, params: list[nn.Parameter]) -> tuple[fl
     return fwd, bwd
 
 
-def _times(stage: Stage, x: Any, params: list[nn.Parameter], repeats: int) -> tuple[float, float]:
+class _Clock:
+    """Milliseconds between marks: ``perf_counter`` on CPU, CUDA events on a GPU (whose
+    kernels run asynchronously, so host time would measure only the launches)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in itertools.pairwise(self.marks)]
+        return [(b - a) * 1e3 for a, b in itertools.pairwise(self.marks)]
+
+
+def _times(
+    stage: Stage, x: Any, params: list[nn.Parameter], repeats: int, device: torch.device
+) -> tuple[float, float]:
+    """Median forward and backward ms over ``repeats`` runs, after one warm-up run."""
     fwd, bwd = [], []
-    for _ in range(max(1, repeats)):
+    for i in range(max(1, repeats) + 1):
         inputs = _grad_input(x)
-        t0 = time.perf_counter()
+        clock = _Clock(device)
+        clock.mark()
         out = stage(inputs)
-        t1 = time.perf_counter()
+        clock.mark()
         outs = [t for t in _tensors(out) if t.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-        t2 = time.perf_counter()
-        fwd.append((t1 - t0) * 1e3)
-        bwd.append((t2 - t1) * 1e3)
+        clock.mark()
+        f, b = clock.spans()
+        if i > 0:  # the first run allocates lazily and creates kernels
+            fwd.append(f)
+            bwd.append(b)
         for p in params:
             p.grad = None
     return statistics.median(fwd), statistics.median(bwd)

@@ -10,6 +10,17 @@ NOTE [Buffers change once per forward]
     observes one update per forward. Which buffers a segment changes in place is learned
     from version counters on its first forward; until then all its buffers are cloned.
 
+NOTE [Mutation guard]
+    A recompute runs with the parameters, buffers and train/eval modes of the moment it
+    happens. If they changed since the forward, the unwrapped model would fail in backward
+    (autograd's version check on saved tensors) or use the forward's mode, while the
+    checkpointed one would silently compute other gradients. So each checkpoint call keeps
+    the version counters of its segment's parameters and buffers (those the forward itself
+    changed are replayed, hence exempt) and the modules' modes, and the recompute raises
+    :class:`MutationError` on any difference. Optimizers step after backward, DDP
+    broadcasts buffers before forward and FSDP2 preserves version counters when it
+    re-gathers parameters, so normal training never trips it.
+
 NOTE [Recompute detection]
     A checkpointed function is called once in the forward pass and again for every
     recompute. ``_SegmentCall`` counts its calls instead of using ``context_fn``, which
@@ -28,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autockpt.errors import MutationError
 from autockpt.plan import Segment
 from autockpt.walk import Stage
 
@@ -176,6 +188,8 @@ class _SegmentCall:
         self.rt = rt
         self.spec = spec
         self.old: dict[int, torch.Tensor | None] | None = None
+        self.versions: list[tuple[str, torch.Tensor, int]] = []
+        self.modes: list[tuple[str, nn.Module, bool]] = []
 
     def __call__(self, *leaves: Any) -> Any:
         x = tree_unflatten(list(leaves), self.spec)
@@ -196,11 +210,44 @@ class _SegmentCall:
             elif t is not None and not torch.equal(t, clones[i]):  # type: ignore[arg-type]
                 old[i] = clones[i]
         self.old = old
+        self._remember_state(old)
         return out
+
+    def _remember_state(self, replayed: dict[int, torch.Tensor | None]) -> None:
+        """What the recompute must find unchanged: parameter and buffer versions (buffers
+        this forward changed are replayed from the copies above, so they are exempt) and
+        every module's train/eval mode. See NOTE [Mutation guard]."""
+        skip = {id(self.rt.buffers[i][0]._buffers.get(self.rt.buffers[i][1])) for i in replayed}
+        for name, module in _named_modules(self.rt.stages):
+            self.modes.append((name, module, module.training))
+            for pname, t in [*module._parameters.items(), *module._buffers.items()]:
+                if t is not None and id(t) not in skip:
+                    self.versions.append((f"{name}.{pname}" if name else pname, t, t._version))
+
+    def _check_state(self) -> None:
+        for name, t, version in self.versions:
+            if t._version != version:
+                kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
+                raise MutationError(
+                    f"autockpt: {kind} {name!r} (shape {tuple(t.shape)}) was modified in place between "
+                    f"the forward and the backward of a checkpointed segment; recomputing it with the new "
+                    f"values would give wrong gradients. Modify parameters after backward() (call "
+                    f"optimizer.step() after loss.backward()), or exclude the module from checkpointing."
+                )
+        for name, module, training in self.modes:
+            if module.training != training:
+                now, then = ("eval", "training") if training else ("training", "eval")
+                raise MutationError(
+                    f"autockpt: module {name or type(module).__name__!r} was switched to {now} mode "
+                    f"between the forward (in {then} mode) and the backward of a checkpointed segment; "
+                    f"its recompute would take the other path (dropout, batch statistics) and give wrong "
+                    f"gradients. Switch modes after backward(), or call model.train()/eval() before forward."
+                )
 
     def _recompute(self, x: Any) -> Any:
         rt, old = self.rt, self.old
         assert old is not None
+        self._check_state()
         live = {i: rt.buffers[i][0]._buffers.get(rt.buffers[i][1]) for i in old}
         for i, t in old.items():
             module, name = rt.buffers[i]
@@ -212,6 +259,21 @@ class _SegmentCall:
             for i, t in live.items():
                 module, name = rt.buffers[i]
                 module._buffers[name] = t
+
+
+def _named_modules(stages: Sequence[Stage]) -> list[tuple[str, nn.Module]]:
+    """Every module of the stages once, named from its unit (``"3"``, ``"3.conv"``)."""
+    seen: set[int] = set()
+    out: list[tuple[str, nn.Module]] = []
+    for stage in stages:
+        for unit in stage.units:
+            for top in unit.modules:
+                prefix = unit.name if len(unit.modules) == 1 else f"{unit.name}:{type(top).__name__}"
+                for sub, module in top.named_modules(prefix=prefix):
+                    if id(module) not in seen:
+                        seen.add(id(module))
+                        out.append((sub, module))
+    return out
 
 
 @contextlib.contextmanager
