@@ -112,3 +112,49 @@ def ddp_worker(rank: int, init_file: str, out_dir: str) -> None:
             )
     finally:
         dist.destroy_process_group()
+
+
+def fsdp_chain() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(8, 8), nn.Tanh())], nn.Linear(8, 2))
+
+
+def fsdp_input(rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+
+
+def _shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:  # type: ignore[attr-defined]
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """FSDP2 with a bf16 policy: unwrapped, checkpointed before and after sharding; 2 steps."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        variants = {
+            "unwrapped": lambda: _shard(fsdp_chain()),
+            "before": lambda: _shard(autockpt.auto_checkpoint(fsdp_chain(), 3)),
+            "after": lambda: autockpt.auto_checkpoint(_shard(fsdp_chain()), 3),
+        }
+        for name, make in variants.items():
+            model = make()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(2):
+                model(fsdp_input(rank)).float().square().mean().backward()
+                grads = [p.grad.full_tensor() for p in model.parameters()]  # type: ignore[union-attr]
+                opt.step()
+                opt.zero_grad()
+            checkpointed = model.forward.plan.checkpointed_segments if name != "unwrapped" else 0  # type: ignore[union-attr]
+            torch.save(
+                {"grads": grads, "checkpointed": checkpointed}, Path(out_dir) / f"fsdp_{name}.{rank}.pt"
+            )
+    finally:
+        dist.destroy_process_group()
