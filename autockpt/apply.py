@@ -83,6 +83,10 @@ def auto_checkpoint(
     """
     _check_module(model, "auto_checkpoint")
     _check_spec(segments, "auto_checkpoint")
+    if (inner := _compiled_inner(model)) is not None:
+        auto_checkpoint(inner, segments, budget=budget, example_inputs=example_inputs,
+                        example_kwargs=example_kwargs, mode=mode, check=check)  # fmt: skip
+        return model
     walked, probe, chain, plan = prepare(
         model, segments, budget, example_inputs, example_kwargs, mode, where="auto_checkpoint"
     )
@@ -151,6 +155,7 @@ def make_plan(
     """
     _check_module(model, "make_plan")
     _check_spec(segments, "make_plan")
+    model = _compiled_inner(model) or model
     return prepare(model, segments, budget, example_inputs, example_kwargs, mode, where="make_plan")[3]
 
 
@@ -176,6 +181,9 @@ def restore(model: nn.Module) -> nn.Module:
         True
     """
     _check_module(model, "restore")
+    if (inner := _compiled_inner(model)) is not None:
+        restore(inner)
+        return model
     fwd = installed(model)
     if fwd is None:
         raise AutockptError(
@@ -190,6 +198,16 @@ def restore(model: nn.Module) -> nn.Module:
 
 
 # --- planning -------------------------------------------------------------------------
+
+
+def _compiled_inner(model: nn.Module) -> nn.Module | None:
+    """The module inside a ``torch.compile`` wrapper, whose forward the compiled code calls.
+
+    Checkpointing it (before the first compiled call) is what ``auto_checkpoint`` on the
+    wrapper means; the wrapper's own forward is dynamo's.
+    """
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else None
 
 
 def _check_module(model: object, where: str) -> None:

@@ -21,6 +21,14 @@ NOTE [Mutation guard]
     broadcasts buffers before forward and FSDP2 preserves version counters when it
     re-gathers parameters, so normal training never trips it.
 
+NOTE [Under torch.compile]
+    Dynamo turns ``checkpoint`` into a higher-order op whose body must not mutate Python
+    state, and AOTAutograd then recomputes the body's nodes in the compiled backward. So
+    while compiling, a segment is a plain function of its inputs: no call counting, no
+    buffer copies, no mutation guard. They are not needed there: the compiled graph applies
+    buffer mutations once (functionalized), and its random ops replay from saved seeds.
+    ``is_recomputing()`` cannot be seen from compiled code.
+
 NOTE [Recompute detection]
     A checkpointed function is called once in the forward pass and again for every
     recompute. ``_SegmentCall`` counts its calls instead of using ``context_fn``, which
@@ -30,6 +38,7 @@ NOTE [Recompute detection]
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -161,9 +170,15 @@ def build_runtime(segments: Sequence[Segment], stages: Sequence[Stage]) -> tuple
 
 def run_segments(runtimes: Sequence[SegmentRuntime], x: Any) -> Any:
     """Run the segments in order, checkpointing those the plan marks."""
+    compiling = torch.compiler.is_compiling()
     for rt in runtimes:
         if rt.segment.checkpoint:
             leaves, spec = tree_flatten(x)
+            if compiling:  # see NOTE [Under torch.compile]
+                x = torch.utils.checkpoint.checkpoint(
+                    functools.partial(_compiled_body, rt, spec), *leaves, use_reentrant=False
+                )
+                continue
             call = _SegmentCall(rt, spec)
             x = torch.utils.checkpoint.checkpoint(
                 call, *leaves, use_reentrant=False, preserve_rng_state=_may_use_rng(rt)
@@ -171,6 +186,10 @@ def run_segments(runtimes: Sequence[SegmentRuntime], x: Any) -> Any:
         else:
             x = _run_body(rt, x)
     return x
+
+
+def _compiled_body(rt: SegmentRuntime, spec: Any, *leaves: Any) -> Any:
+    return _run_body(rt, tree_unflatten(list(leaves), spec))
 
 
 def _run_body(rt: SegmentRuntime, x: Any) -> Any:

@@ -1,0 +1,93 @@
+"""torch.compile: either order, fullgraph for Sequentials, no recompiles, really less memory.
+
+Compiling takes tens of seconds on 2 cores, so these tests carry the ``slow`` marker;
+``.ci/run`` runs the whole suite, markers included.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import autockpt
+
+pytestmark = pytest.mark.slow
+
+# inductor fuses and reorders floating-point work; eager and compiled agree to about this
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def chain(width: int = 64, depth: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())], nn.Linear(width, 4)
+    )
+
+
+def step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model(x).square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    for p in model.parameters():
+        p.grad = None
+    return grads
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    torch._dynamo.reset()
+
+
+def test_fullgraph_compile_of_a_checkpointed_sequential_matches_eager_without_recompiling() -> None:
+    x = torch.randn(32, 64)
+    eager = chain()
+    ck = autockpt.auto_checkpoint(chain(), example_inputs=(x,))
+    compiled = torch.compile(ck, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            for g, e in zip(step(compiled, x), step(eager, x)):
+                torch.testing.assert_close(g, e, **TOL)
+    assert ck.forward.plan.checkpointed_segments > 0
+
+
+def test_checkpointing_a_compiled_model_checkpoints_the_module_inside() -> None:
+    x = torch.randn(32, 64)
+    eager = chain()
+    compiled = autockpt.auto_checkpoint(torch.compile(chain()), example_inputs=(x,))
+    assert type(compiled).__name__ == "OptimizedModule"
+    assert autockpt.make_plan(compiled).checkpointed_segments > 0
+    for g, e in zip(step(compiled, x), step(eager, x)):
+        torch.testing.assert_close(g, e, **TOL)
+    autockpt.restore(compiled)
+    assert "forward" not in vars(compiled._orig_mod)
+
+
+def test_batchnorm_under_compile_updates_once_and_trains_like_the_compiled_model() -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(
+        nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
+        nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 4),
+    )  # fmt: skip
+    x = torch.randn(32, 16)
+    plain = torch.compile(copy.deepcopy(base))
+    ck = torch.compile(autockpt.auto_checkpoint(copy.deepcopy(base), 3, example_inputs=(x,)))
+    for g, e in zip(step(ck, x), step(plain, x)):
+        torch.testing.assert_close(g, e, **TOL)
+    for a, b in zip(plain.state_dict().values(), ck.state_dict().values()):  # running stats once
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_memory_is_lower_under_compile_at_allocator_level() -> None:
+    # the CPU allocator events see inductor's buffers, which a dispatch-level tracker cannot
+    x = torch.randn(1024, 128)
+    plain = torch.compile(chain(128, 16))
+    ck = torch.compile(autockpt.auto_checkpoint(chain(128, 16), example_inputs=(x,)))
+    peaks = []
+    for model in (plain, ck):
+        step(model, x)
+        with autockpt.track_memory("cpu", tensors=False) as mem:
+            step(model, x)
+        peaks.append(mem.peak_bytes)
+    assert peaks[1] < 0.6 * peaks[0]
