@@ -59,11 +59,29 @@ FORMATS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last
 
 
 @dataclass
+class Ranks:
+    """This process's place in a ``torchrun`` job (rank 0 of 1 without ``--ddp``)."""
+
+    rank: int = 0
+    world: int = 1
+
+
+RANKS = Ranks()
+
+
+def say(*args: Any) -> None:
+    """Print on rank 0 only."""
+    if RANKS.rank == 0:
+        print(*args, flush=True)
+
+
+@dataclass
 class Run:
     """One strategy in one memory format: its model, optimizer, RNG and figures."""
 
     name: str
     model: nn.Module
+    net: nn.Module  # what trains: the model, or its DistributedDataParallel wrapper
     optimizer: torch.optim.Optimizer
     rng: dict[str, torch.Tensor]
     plan: str = "unwrapped"
@@ -102,6 +120,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-download", action="store_true", help="never try the network")
     p.add_argument("--out", default="results/nin_cifar10", help="folder for JSON, Markdown and PNG")
     p.add_argument("--log-every", type=int, default=50, help="log the batch loss every N batches")
+    p.add_argument(
+        "--ddp",
+        action="store_true",
+        help="under torchrun: DistributedDataParallel, each rank trains on its share of every batch",
+    )
     p.add_argument(
         "--train-accuracy",
         action=argparse.BooleanOptionalAction,
@@ -176,7 +199,12 @@ def build_runs(
                 f"{plan.strategy}: {len(segments)} segments, {plan.checkpointed_segments} checkpointed"
             )
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-        runs.append(Run(name, model, optimizer, dict(start_rng), plan_text, segments))
+        net = model
+        if args.ddp:
+            from torch.nn.parallel import DistributedDataParallel
+
+            net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        runs.append(Run(name, model, net, optimizer, dict(start_rng), plan_text, segments))
     return runs, profile, messages
 
 
@@ -205,7 +233,7 @@ def step(
     run: Run, x: torch.Tensor, y: torch.Tensor, device: torch.device, measure: bool, timed: bool
 ) -> None:
     """One training step of ``run``: measured under ``track_memory``, or run and maybe timed."""
-    run.model.train()
+    run.net.train()
     with own_rng(run, device):
         if measure:
             with autockpt.track_memory(device) as mem:
@@ -222,7 +250,7 @@ def step(
 
 
 def _train_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
-    loss = F.cross_entropy(run.model(x), y)
+    loss = F.cross_entropy(run.net(x), y)
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     run.optimizer.step()
@@ -250,7 +278,9 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]])
 
 
 def prepare(batch: Any, device: torch.device, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of a batch (all of it without ``--ddp``), on the device."""
     x, y = batch
+    x, y = x[RANKS.rank :: RANKS.world], y[RANKS.rank :: RANKS.world]
     return x.to(device, memory_format=FORMATS[fmt]), y.to(device)
 
 
@@ -259,13 +289,14 @@ def train_format(
 ) -> dict[str, Any]:
     """Train every strategy in one memory format; return its figures."""
     t0 = time.perf_counter()
-    example = torch.randn(args.batch_size, 3, 32, 32).to(device, memory_format=FORMATS[fmt])
+    local = len(range(RANKS.rank, args.batch_size, RANKS.world))  # this rank's share of a batch
+    example = torch.randn(local, 3, 32, 32).to(device, memory_format=FORMATS[fmt])
     runs, profile, messages = build_runs(args, fmt, device, example)
     for line in messages:
-        print(line)
+        say(line)
     for run in runs:
-        print(f"{fmt} | {run.name:9} | {run.plan}")
-    print(f"{fmt} | profiled and planned in {time.perf_counter() - t0:.1f} s")
+        say(f"{fmt} | {run.name:9} | {run.plan}")
+    say(f"{fmt} | profiled and planned in {time.perf_counter() - t0:.1f} s")
     n_train = len(loaders(data, source, batch_size=args.batch_size).train)
     per_epoch = min(args.batches or n_train, n_train)
     valid = _take(loaders(data, source, batch_size=args.batch_size).valid, args.valid_batches, device, fmt)
@@ -274,7 +305,12 @@ def train_format(
         # the same seeded sampler for every strategy: a fresh loader per epoch, seed + epoch
         train = loaders(data, source, batch_size=args.batch_size, seed=args.seed + epoch).train
         seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-        bar = tqdm(total=per_epoch, desc=f"{fmt} epoch {epoch + 1}/{args.epochs}", leave=False)
+        bar = tqdm(
+            total=per_epoch,
+            desc=f"{fmt} epoch {epoch + 1}/{args.epochs}",
+            leave=False,
+            disable=RANKS.rank != 0,
+        )
         for b, batch in enumerate(train):
             if b >= per_epoch:
                 break
@@ -290,7 +326,7 @@ def train_format(
             if b % args.log_every == 0:
                 losses = {run.losses[-1] for run in runs}
                 same = "all equal" if len(losses) == 1 else f"{len(losses)} different values"
-                tqdm.write(
+                say(
                     f"{fmt} | Epoch: {epoch + 1:03d}/{args.epochs:03d} | Batch {b:04d}/{n_train:04d} | "
                     f"Loss: {runs[0].losses[-1]:.4f} ({len(runs)} models, {same})"
                 )
@@ -298,19 +334,19 @@ def train_format(
         t_eval = time.perf_counter()
         train_eval = _take(train, 0, device, fmt) if args.train_accuracy else []
         for run in runs:
-            valid_acc, valid_loss = evaluate(run.model, valid)
+            valid_acc, valid_loss = evaluate(run.net, valid)
             figures = {"valid_acc": valid_acc, "valid_loss": valid_loss}
             train_text = "Train.: not evaluated (--train-accuracy)"
             if train_eval:
-                figures["train_acc"], figures["train_loss"] = evaluate(run.model, train_eval)
+                figures["train_acc"], figures["train_loss"] = evaluate(run.net, train_eval)
                 train_text = f"Train. Acc.: {figures['train_acc']:.3f}% | Loss: {figures['train_loss']:.3f}"
             run.epochs.append(figures)
-            print(
+            say(
                 f"{fmt} | {run.name:9} | ***Epoch: {epoch + 1:03d}/{args.epochs:03d} | {train_text} | "
                 f"Valid. Acc.: {valid_acc:.3f}% | Loss: {valid_loss:.3f} | "
                 f"Time elapsed: {run.elapsed_s / 60:.2f} min"
             )
-        print(f"{fmt} | evaluated in {time.perf_counter() - t_eval:.1f} s")
+        say(f"{fmt} | evaluated in {time.perf_counter() - t_eval:.1f} s")
     return summarise(runs, fmt, per_epoch, profile, messages)
 
 
@@ -344,6 +380,7 @@ def summarise(
                 "plan": run.plan,
                 "checkpointed_segments": sum(s.checkpoint for s in run.segments),
                 "peak_bytes": run.peak_bytes,
+                "rank_peak_bytes": _gather(run.peak_bytes),
                 "peak_ratio": run.peak_bytes / base.peak_bytes if base.peak_bytes else float("nan"),
                 "tensor_peak_bytes": run.tensor_peak_bytes,
                 "epoch_s": med * per_epoch,
@@ -385,6 +422,17 @@ def where_the_peak_sits(rows: list[dict[str, Any]]) -> str:
     return text
 
 
+def _gather(value: int) -> list[int]:
+    """``value`` from every rank, in rank order."""
+    if RANKS.world == 1:
+        return [value]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * RANKS.world
+    dist.all_gather_object(out, value)
+    return out
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"# NiN on CIFAR-10: {results['data']}",
@@ -392,8 +440,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['config']}",
         "",
         "| format | strategy | plan | peak (allocator) | ratio | peak (tensors) | time/epoch | time ratio "
-        "| final loss | valid acc | losses identical | predicted peak in |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| final loss | valid acc | losses identical | predicted peak in |"
+        + (" peak per rank |" if RANKS.world > 1 else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if RANKS.world > 1 else ""),
     ]
     for fmt in results["formats"]:
         for r in fmt["rows"]:
@@ -404,6 +453,11 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{r['time_ratio']:.2f} | {r['final_loss']:.4f} | {r['epochs'][-1]['valid_acc']:.2f}% | "
                 f"{same} | "
                 f"{r['predicted_peak_in']} |"
+                + (
+                    f" {' / '.join(format_bytes(b) for b in r['rank_peak_bytes'])} |"
+                    if RANKS.world > 1
+                    else ""
+                )
             )
     for fmt in results["formats"]:
         lines.extend(f"\n{n}" for n in fmt["notes"])
@@ -435,13 +489,33 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def start_ddp(device: torch.device) -> torch.device:
+    """Join the ``torchrun`` job: gloo on CPU, nccl on CUDA (one GPU per local rank)."""
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        raise SystemExit(
+            "--ddp runs under torchrun, e.g. torchrun --nproc_per_node 2 benchmarks/nin_cifar10.py --ddp"
+        )
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    RANKS.rank, RANKS.world = dist.get_rank(), dist.get_world_size()
+    backend = dist.get_backend()
+    say(f"# DistributedDataParallel: {RANKS.world} ranks on {backend}, 1/{RANKS.world} of each batch")
+    return device
+
+
 def main() -> None:
     args = parse_args()
     setup()
     device = torch.device(args.device)
+    if args.ddp:
+        device = start_ddp(device)
     deterministic(device)
     data, source = training_set(args.data_dir, download=not args.no_download)
-    print(f"# data: {source}")
+    say(f"# data: {source}")
     subset = (
         "all batches"
         if not args.batches
@@ -450,21 +524,24 @@ def main() -> None:
     config = (
         f"NiN, Adam lr {args.lr}, batch {args.batch_size}, seed {args.seed}, {args.epochs} epoch(s), "
         f"{subset}, device {device}, torch {torch.__version__}"
+        + (f", DDP over {RANKS.world} ranks" if RANKS.world > 1 else "")
     )
-    print(f"# {config}")
+    say(f"# {config}")
     formats = [train_format(args, fmt, device, data, source) for fmt in args.formats]
     results = {"data": source, "config": config, "formats": formats}
+    if RANKS.rank != 0:
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     table = markdown(results)
     (out / "results.md").write_text(table)
     plot(results, out / "nin_cifar10.png")
-    print()
-    print(table)
+    say()
+    say(table)
     verdict = all(r["identical_losses"] for f in formats for r in f["rows"])
-    print(f"loss trajectories identical to the unwrapped model's: {'yes' if verdict else 'NO'}")
-    print(f"results written to {out.resolve()}")
+    say(f"loss trajectories identical to the unwrapped model's: {'yes' if verdict else 'NO'}")
+    say(f"results written to {out.resolve()}")
 
 
 if __name__ == "__main__":
