@@ -9,6 +9,7 @@ Examples:
 
 from autockpt import models
 from autockpt.apply import auto_checkpoint, make_plan, restore
+from autockpt.compile_check import GraphBreak, find_graph_breaks
 from autockpt.errors import AutockptError, MutationError, PlanInfeasibleError
 from autockpt.memory import MemoryStats, track_memory
 from autockpt.plan import Plan, Segment
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutockptError",
+    "GraphBreak",
     "MemoryStats",
     "MutationError",
     "Plan",
@@ -31,6 +33,7 @@ __all__ = [
     "VerifyReport",
     "auto_checkpoint",
     "available_planners",
+    "find_graph_breaks",
     "is_recomputing",
     "make_plan",
     "models",

@@ -91,3 +91,33 @@ def test_memory_is_lower_under_compile_at_allocator_level() -> None:
             step(model, x)
         peaks.append(mem.peak_bytes)
     assert peaks[1] < 0.6 * peaks[0]
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: dynamo cannot capture it in one graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+
+def test_graph_breaks_inside_a_segment_are_reported_with_their_reason() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 16), nn.BatchNorm1d(16), Branchy(), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
+        nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4),
+    )  # fmt: skip
+    x = torch.randn(32, 16)
+    ck = autockpt.auto_checkpoint(model, 3, example_inputs=(x,))
+    stats = model[1].running_mean.clone()
+    breaks = autockpt.find_graph_breaks(ck, (x,))
+    assert [b.segment for b in breaks] == [0] and breaks[0].stages == ("0", "1", "2")
+    assert "data-dependent" in breaks[0].reason.lower() and "test_compile.py" in breaks[0].reason
+    assert torch.equal(model[1].running_mean, stats)  # the report's forward left no trace
+    assert autockpt.find_graph_breaks(autockpt.auto_checkpoint(chain(), 3), (torch.randn(4, 64),)) == []
+
+
+def test_graph_breaks_need_a_checkpointed_model() -> None:
+    with pytest.raises(autockpt.AutockptError, match="not checkpointed"):
+        autockpt.find_graph_breaks(chain(), (torch.randn(4, 64),))
