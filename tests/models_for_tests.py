@@ -115,8 +115,8 @@ class ManyOutputs(nn.Module):
         return {"pair": (out, None), "stats": stats, "tail": Pair(out * 2, h)}
 
 
-class Drift(nn.Module):
-    """Adds how often it has run: impure, so recomputing it changes the activations."""
+class CallCounter(nn.Module):
+    """Not replayable: its output depends on how often it ran, so recompute differs."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -124,11 +124,11 @@ class Drift(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        return x + 0.01 * self.calls
+        return x * self.calls
 
 
 def drifting_chain(width: int = 8) -> nn.Sequential:
     """A chain that ``verify`` must reject: its output depends on the number of calls."""
     return nn.Sequential(
-        nn.Linear(width, width), Drift(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 2)
+        nn.Linear(width, width), CallCounter(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 2)
     )

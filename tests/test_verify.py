@@ -6,6 +6,7 @@ import copy
 
 import torch
 from helpers import assert_same_state
+from models_for_tests import CallCounter
 from torch import nn
 
 import autockpt
@@ -57,18 +58,6 @@ def test_verify_leaves_a_plain_model_plain() -> None:
     model = model_with_bn()
     autockpt.verify(model, torch.randn(6, 4, dtype=D))
     assert "forward" not in vars(model)
-
-
-class CallCounter(nn.Module):
-    """Not replayable: its output depends on how often it ran, so recompute differs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return x * self.calls
 
 
 def test_verify_catches_a_module_that_does_not_replay() -> None:
