@@ -105,6 +105,7 @@ def verify(
     model: nn.Module,
     example_inputs: Sequence[Any] | torch.Tensor,
     *,
+    example_kwargs: dict[str, Any] | None = None,
     segments: SegmentsSpec | None = None,
     atol: float = 0.0,
     rtol: float = 0.0,
@@ -118,6 +119,7 @@ def verify(
     Args:
         model: a model, checkpointed or not. It is left exactly as it was.
         example_inputs: positional inputs for one forward pass.
+        example_kwargs: keyword inputs for it (an attention mask, say).
         segments: the plan to check, as for :func:`auto_checkpoint`; by default the
             model's installed plan, or ``"sqrt"`` for a model that is not checkpointed.
         atol: absolute tolerance (0: bitwise, as expected on CPU).
@@ -132,22 +134,22 @@ def verify(
         >>> autockpt.verify(model, (torch.randn(2, 4, dtype=torch.float64),)).ok
         True
     """
-    args = _as_args(example_inputs)
+    args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
     installed = _installed(model)
     spec: SegmentsSpec = segments if segments is not None else (installed.plan if installed else "sqrt")
     device = _device_of(model, args)
     with _preserved(model) as fresh:
         _unwrap(model)
         fresh()
-        _step(model, args, device)  # warm-up: lazy initialisation stays out of the figures
+        _step(model, args, device, kwargs)  # warm-up: lazy initialisation stays out of the figures
         fresh()
-        reference = _step(model, args, device)
-        auto_checkpoint(model, spec, example_inputs=args)
+        reference = _step(model, args, device, kwargs)
+        auto_checkpoint(model, spec, example_inputs=args, example_kwargs=kwargs)
         installed_now = _installed(model)
         assert installed_now is not None
         plan = installed_now.plan
         fresh()
-        checkpointed = _step(model, args, device)
+        checkpointed = _step(model, args, device, kwargs)
     return _compare(plan, reference, checkpointed, atol, rtol)
 
 

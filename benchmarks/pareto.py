@@ -5,7 +5,9 @@ For each model: ``torch.utils.checkpoint.checkpoint_sequential`` at every segmen
 are reported), autockpt's uniform int-k plans, and the budget planner at 8 budgets between
 the smallest feasible peak and the unwrapped one. Peaks are allocator-level bytes of one
 training step (parameters, buffers and input included); overheads are step-time ratios to
-the unwrapped model, medians of interleaved runs in this process. Writes a Markdown table,
+the unwrapped model, medians of interleaved runs in this process. Besides the 8 budgets,
+the budget planner also plans for every peak a uniform split reached, so each uniform split
+is compared with a budget plan made for its own memory level. Writes a Markdown table,
 a JSON file and a PNG plot per model into ``--out``.
 
     python benchmarks/pareto.py [--out results] [--repeats 3]
@@ -27,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 import autockpt
+from autockpt.plan import Segment
 from autockpt.planners.budget import min_feasible_budget
 
 
@@ -97,15 +100,22 @@ def run(name: str, factory: Callable[[], nn.Sequential], x: torch.Tensor, repeat
         model = autockpt.auto_checkpoint(copy.deepcopy(plain), k, example_inputs=(x,))
         peak, ratio = measure(plain, model, x, repeats)
         rows.append({"kind": "autockpt uniform", "setting": k, "peak": peak, "overhead": ratio})
-    prof = autockpt.profile(plain, (x,))
+    prof = autockpt.profile(plain, (x,))  # later plans of `plain` reuse it
     floor = min_feasible_budget(prof.costs) + prof.static_bytes
     unwrapped = autockpt.make_plan(plain, budget=1.0, example_inputs=(x,)).predicted_peak_bytes or base
-    for i in range(8):
-        budget = int(floor + (unwrapped - floor) * i / 7)
-        model = autockpt.auto_checkpoint(copy.deepcopy(plain), budget=budget, example_inputs=(x,))
-        peak, ratio = measure(plain, model, x, repeats)
+    # 8 budgets from the floor to unwrapped, plus every peak a uniform split reached, so that
+    # each uniform split meets a budget plan made for exactly its memory level
+    grid = {int(floor + (unwrapped - floor) * i / 7) for i in range(8)}
+    levels = {int(r["peak"]) for r in rows if "error" not in r and floor <= int(r["peak"]) <= unwrapped}  # type: ignore[call-overload]
+    measured: dict[tuple[Segment, ...], tuple[int, float]] = {}
+    for budget in sorted(grid | levels):
+        plan = autockpt.make_plan(plain, budget=budget, example_inputs=(x,))
+        if plan.segments not in measured:
+            model = autockpt.auto_checkpoint(copy.deepcopy(plain), plan, example_inputs=(x,))
+            measured[plan.segments] = measure(plain, model, x, repeats)
+        peak, ratio = measured[plan.segments]
         rows.append({"kind": "autockpt budget", "setting": budget, "peak": peak, "overhead": ratio,
-                     "predicted": model.forward.plan.predicted_peak_bytes})  # fmt: skip
+                     "predicted": plan.predicted_peak_bytes})  # fmt: skip
     report(name, base, rows, out)
 
 

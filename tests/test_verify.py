@@ -73,3 +73,13 @@ def test_tolerance_is_applied() -> None:
     model = nn.Sequential(nn.Linear(3, 3), CallCounter(), nn.Tanh(), nn.Linear(3, 3), nn.Tanh()).to(D)
     report = autockpt.verify(model, (torch.randn(2, 3, dtype=D),), segments=2, atol=1e6)
     assert report.ok and report.atol == 1e6
+
+
+def test_verify_takes_keyword_inputs() -> None:
+    from models_for_tests import GPT
+
+    torch.manual_seed(0)
+    gpt = GPT(width=16, layers=3, heads=2, context=8).to(D)
+    idx = torch.randint(0, 50, (2, 8))
+    report = autockpt.verify(gpt, (idx,), example_kwargs={"attention_mask": torch.ones(2, 8, dtype=D)})
+    assert report.ok and report.plan.walker == "graph" and report.plan.checkpointed_segments > 0
