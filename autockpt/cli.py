@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["load_factory", "main", "parse_input"]
+__all__ = ["budget_arg", "load_factory", "main", "parse_input"]
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float64": torch.float64, "double": torch.float64,
@@ -133,7 +133,8 @@ def _segments(text: str) -> int | str:
     return int(text) if text.isdigit() else text
 
 
-def _budget(text: str | None) -> int | float | str | None:
+def budget_arg(text: str | None) -> int | float | str | None:
+    """A ``--budget`` string as ``budget=`` takes it: an int of bytes, a fraction, or text with units."""
     if text is None:
         return None
     try:
@@ -156,7 +157,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     model, inputs = _build(args)
     plan = autockpt.make_plan(
-        model, _segments(args.segments), budget=_budget(args.budget), example_inputs=inputs, mode=args.mode
+        model, _segments(args.segments), budget=budget_arg(args.budget), example_inputs=inputs, mode=args.mode
     )
     print(plan.to_json() if args.json else plan)
     return 0
@@ -169,7 +170,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         raise CommandLineError("verify runs a training step, which the meta device cannot; use cpu or cuda.")
     model, inputs = _build(args)
     model = autockpt.auto_checkpoint(
-        model, _segments(args.segments), budget=_budget(args.budget), example_inputs=inputs, mode=args.mode
+        model, _segments(args.segments), budget=budget_arg(args.budget), example_inputs=inputs, mode=args.mode
     )
     report = autockpt.verify(model, inputs, atol=args.atol, rtol=args.rtol)
     print(report.to_json() if args.json else report)

@@ -149,6 +149,7 @@ class SegmentRuntime:
     buffers: tuple[BufferSlot, ...]
     children: tuple[SegmentRuntime, ...] = ()
     rng_free: tuple[nn.Module, ...] | None = None  # see _RNG_FREE
+    named_modules: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; the mutation guard's
 
 
 def build_runtime(segments: Sequence[Segment], stages: Sequence[Stage]) -> tuple[SegmentRuntime, ...]:
@@ -163,6 +164,7 @@ def build_runtime(segments: Sequence[Segment], stages: Sequence[Stage]) -> tuple
                 buffers=segment_buffers(own) if seg.checkpoint else (),
                 children=build_runtime(seg.children, stages),
                 rng_free=rng_free_modules(own),
+                named_modules=_named_modules(own) if seg.checkpoint else (),
             )
         )
     return tuple(out)
@@ -207,8 +209,8 @@ class _SegmentCall:
         self.rt = rt
         self.spec = spec
         self.old: dict[int, torch.Tensor | None] | None = None
-        self.versions: list[tuple[str, torch.Tensor, int]] = []
-        self.modes: list[tuple[str, nn.Module, bool]] = []
+        self.versions: list[tuple[str, str, torch.Tensor, int]] = []  # module, name, tensor, version
+        self.modes: list[bool] = []  # per rt.named_modules
 
     def __call__(self, *leaves: Any) -> Any:
         x = tree_unflatten(list(leaves), self.spec)
@@ -237,15 +239,16 @@ class _SegmentCall:
         this forward changed are replayed from the copies above, so they are exempt) and
         every module's train/eval mode. See NOTE [Mutation guard]."""
         skip = {id(self.rt.buffers[i][0]._buffers.get(self.rt.buffers[i][1])) for i in replayed}
-        for name, module in _named_modules(self.rt.stages):
-            self.modes.append((name, module, module.training))
+        for name, module in self.rt.named_modules:
+            self.modes.append(module.training)
             for pname, t in [*module._parameters.items(), *module._buffers.items()]:
                 if t is not None and id(t) not in skip:
-                    self.versions.append((f"{name}.{pname}" if name else pname, t, t._version))
+                    self.versions.append((name, pname, t, t._version))
 
     def _check_state(self) -> None:
-        for name, t, version in self.versions:
+        for module_name, pname, t, version in self.versions:
             if t._version != version:
+                name = f"{module_name}.{pname}" if module_name else pname
                 kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
                 raise MutationError(
                     f"autockpt: {kind} {name!r} (shape {tuple(t.shape)}) was modified in place between "
@@ -253,7 +256,7 @@ class _SegmentCall:
                     f"values would give wrong gradients. Modify parameters after backward() (call "
                     f"optimizer.step() after loss.backward()), or exclude the module from checkpointing."
                 )
-        for name, module, training in self.modes:
+        for (name, module), training in zip(self.rt.named_modules, self.modes):
             if module.training != training:
                 now, then = ("eval", "training") if training else ("training", "eval")
                 raise MutationError(
@@ -280,7 +283,7 @@ class _SegmentCall:
                 module._buffers[name] = t
 
 
-def _named_modules(stages: Sequence[Stage]) -> list[tuple[str, nn.Module]]:
+def _named_modules(stages: Sequence[Stage]) -> tuple[tuple[str, nn.Module], ...]:
     """Every module of the stages once, named from its unit (``"3"``, ``"3.conv"``)."""
     seen: set[int] = set()
     out: list[tuple[str, nn.Module]] = []
@@ -292,7 +295,7 @@ def _named_modules(stages: Sequence[Stage]) -> list[tuple[str, nn.Module]]:
                     if id(module) not in seen:
                         seen.add(id(module))
                         out.append((sub, module))
-    return out
+    return tuple(out)
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ from torch import nn
 from tqdm import tqdm
 
 import autockpt
+from autockpt.cli import budget_arg
 from autockpt.plan import Segment, format_bytes
 from autockpt.planners.budget import predict
 from autockpt.planning import describe_peak
@@ -213,20 +214,13 @@ def budget_plan(
 ) -> autockpt.Plan:
     """The budget plan, or, when the budget is infeasible, the plan at the smallest feasible one."""
     try:
-        return autockpt.make_plan(model, budget=_budget(budget), example_inputs=(example,))
+        return autockpt.make_plan(model, budget=budget_arg(budget), example_inputs=(example,))
     except autockpt.PlanInfeasibleError as err:
         if err.min_budget_bytes is None:
             raise
         messages.append(f"{fmt}, budget={budget}: {err}")
         messages.append(f"{fmt}: the budget strategy runs at the smallest feasible budget instead")
         return autockpt.make_plan(model, budget=err.min_budget_bytes, example_inputs=(example,))
-
-
-def _budget(text: str) -> float | int | str:
-    try:
-        return float(text) if "." in text else int(text)
-    except ValueError:
-        return text
 
 
 def step(
