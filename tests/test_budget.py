@@ -282,7 +282,9 @@ def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> N
 
 def test_check_measures_the_plan_and_records_the_figure() -> None:
     x = torch.randn(1024, 128)
-    model = autockpt.auto_checkpoint(chain(), budget=0.7, example_inputs=(x,), check=True)
+    model = autockpt.auto_checkpoint(
+        chain(), budget=0.8, example_inputs=(x,), check=True
+    )  # headroom above the 0.68 floor
     plan = model.forward.plan
     assert plan.budget_bytes is not None
     note = next(n for n in plan.notes if n.startswith("measured peak"))
