@@ -17,6 +17,7 @@ from torch import nn
 
 from autockpt.errors import AutockptError, PlanInfeasibleError
 from autockpt.forward import install, installed
+from autockpt.losses import LossFn
 from autockpt.plan import Plan, format_bytes
 from autockpt.planning import SegmentsSpec, _as_args, _check_spec, _probe, prepare
 from autockpt.walk import chain_from_names
@@ -33,6 +34,7 @@ def auto_checkpoint(
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     mode: str | None = None,
+    loss_fn: LossFn | None = None,
     check: bool = False,
 ) -> nn.Module:
     """Checkpoint ``model`` in place so training keeps fewer activations alive.
@@ -61,6 +63,10 @@ def auto_checkpoint(
         mode: force a walker: ``"sequential"``, ``"graph"`` or ``"blocks"``. With the
             block walker, ``"sqrt"`` and an int ``k`` mean ``k`` (or ``ceil(sqrt(n))``)
             evenly spread blocks are checkpointed, each on its own.
+        loss_fn: with a budget, the loss you train with, from the model's output to a
+            scalar (``lambda out: F.cross_entropy(out, labels)``). The loss runs while every
+            saved activation is alive, so its bytes count; without it a weighted sum of the
+            outputs stands in, which needs two tensors the size of the output.
         check: with a budget, run one training step on the example inputs and measure its
             real peak; if it is above the budget, plan again for a budget lowered by the
             excess (up to three times). The measured figure goes into the plan's notes, and
@@ -85,23 +91,30 @@ def auto_checkpoint(
     _check_spec(segments, "auto_checkpoint")
     if (inner := _compiled_inner(model)) is not None:
         auto_checkpoint(inner, segments, budget=budget, example_inputs=example_inputs,
-                        example_kwargs=example_kwargs, mode=mode, check=check)  # fmt: skip
+                        example_kwargs=example_kwargs, mode=mode, loss_fn=loss_fn, check=check)  # fmt: skip
         return model
     walked, probe, chain, plan = prepare(
-        model, segments, budget, example_inputs, example_kwargs, mode, where="auto_checkpoint"
+        model,
+        segments,
+        budget,
+        example_inputs,
+        example_kwargs,
+        mode,
+        where="auto_checkpoint",
+        loss_fn=loss_fn,
     )
     install(model, walked, chain, plan, plan if budget is not None else segments, probe)
     if check and budget is not None:
-        _keep_the_promise(model, budget, example_inputs, example_kwargs, mode)
+        _keep_the_promise(model, example_inputs, example_kwargs, mode, loss_fn)
     return model
 
 
 def _keep_the_promise(
     model: nn.Module,
-    budget: int | float | str,
     example_inputs: Sequence[Any] | None,
     example_kwargs: dict[str, Any] | None,
     mode: str | None,
+    loss_fn: LossFn | None,
 ) -> None:
     """Measure the applied plan; while it exceeds the budget, plan for less and re-measure."""
     from autockpt.verification import measure_step
@@ -110,19 +123,21 @@ def _keep_the_promise(
     assert fwd is not None
     args, kwargs = _as_args(example_inputs or ()), dict(example_kwargs or {})
     target = fwd.plan.budget_bytes or 0
-    limit, measured = target, measure_step(model, args, kwargs)
+    limit, measured = target, measure_step(model, args, kwargs, loss_fn)
     for _ in range(3):
         if measured <= target:
             break
         limit -= measured - target
         try:
-            _, probe, chain, plan = prepare(model, "sqrt", limit, args, kwargs, mode, where="auto_checkpoint")
+            _, probe, chain, plan = prepare(
+                model, "sqrt", limit, args, kwargs, mode, where="auto_checkpoint", loss_fn=loss_fn
+            )
         except PlanInfeasibleError:
             break
         install(model, fwd.walked, chain, plan, plan, probe)
         fwd = installed(model)
         assert fwd is not None
-        measured = measure_step(model, args, kwargs)
+        measured = measure_step(model, args, kwargs, loss_fn)
     note = f"measured peak {format_bytes(measured)} for budget {format_bytes(target)}"
     if limit != target:
         note += f" (planned for {format_bytes(limit)} to keep it)"
@@ -140,6 +155,7 @@ def make_plan(
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     mode: str | None = None,
+    loss_fn: LossFn | None = None,
 ) -> Plan:
     """The plan ``auto_checkpoint(model, segments, ...)`` would apply, without applying it.
 
@@ -156,7 +172,9 @@ def make_plan(
     _check_module(model, "make_plan")
     _check_spec(segments, "make_plan")
     model = _compiled_inner(model) or model
-    return prepare(model, segments, budget, example_inputs, example_kwargs, mode, where="make_plan")[3]
+    return prepare(
+        model, segments, budget, example_inputs, example_kwargs, mode, where="make_plan", loss_fn=loss_fn
+    )[3]
 
 
 def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:

@@ -7,6 +7,8 @@ model's forward.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Hashable, Sequence
@@ -18,12 +20,13 @@ from torch.utils._pytree import tree_leaves
 
 from autockpt.budget_spec import parse_budget
 from autockpt.errors import AutockptError, PlanInfeasibleError
+from autockpt.losses import LossFn
 from autockpt.plan import Plan, Segment, format_bytes
 from autockpt.planners import PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import sqrt_segment_count, uniform_plan
 from autockpt.planners.budget import predict
 from autockpt.planners.registry import Planner
-from autockpt.profiling import Profile, profile_chain
+from autockpt.profiling import Profile, measure_loss, profile_chain
 from autockpt.runtime import dry_run_state
 from autockpt.walk import Chain, DryRun, Unit, build_chain, probe_units
 from autockpt.walkers import Walked, walk
@@ -42,10 +45,20 @@ def prepare(
     mode: str | None,
     *,
     where: str,
+    loss_fn: LossFn | None = None,
 ) -> tuple[Walked, DryRun | None, Chain, Plan]:
     """Walk, dry-run, profile when a budget asks for it, and plan."""
     if budget is not None and segments not in ("sqrt", "budget"):
         raise ValueError(f"{where}: got both segments={segments!r} and budget={budget!r}. Pass one of them.")
+    if loss_fn is not None and budget is None:
+        raise ValueError(
+            f"{where}: loss_fn is measured to plan for a memory budget, and no budget was given. "
+            f"Pass budget=... with it, or leave loss_fn out."
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"{where}: loss_fn must be callable (output -> scalar tensor), got {type(loss_fn).__name__}."
+        )
     if budget is not None and example_inputs is None and not example_kwargs:
         raise ValueError(
             f"{where}: budget={budget!r} needs example inputs to measure the model. Pass "
@@ -56,10 +69,15 @@ def prepare(
     chain = build_chain(walked.walker, walked.units, probe)
     if budget is None:
         return walked, probe, chain, plan_chain(chain, segments, where=where, notes=walked.notes)
-    x = _entry_value(walked, _as_args(example_inputs or ()), dict(example_kwargs or {}), where)
+    args, kwargs = _as_args(example_inputs or ()), dict(example_kwargs or {})
+    x = _entry_value(walked, args, kwargs, where)
     static = _static_bytes(model, x)
     prof = _cached_profile(model, chain, x, static)
-    unwrapped = static + predict((Segment(0, len(chain.stages), False),), prof.costs).peak_bytes
+    loss_bytes = _cached_loss_bytes(model, chain, x, (args, kwargs, loss_fn), where)
+    unwrapped = (
+        static
+        + predict((Segment(0, len(chain.stages), False),), prof.costs, loss_bytes=loss_bytes).peak_bytes
+    )
     budget_bytes = parse_budget(budget, unwrapped_bytes=unwrapped, where=where)
     request = PlanRequest(
         stage_names=chain.names,
@@ -68,6 +86,7 @@ def prepare(
         costs=prof.costs,
         budget_bytes=budget_bytes,
         static_bytes=static,
+        loss_bytes=loss_bytes,
     )
     try:
         segs = run_planner(get_planner("budget", where=where), request, where=where)
@@ -75,7 +94,7 @@ def prepare(
         raise PlanInfeasibleError(
             str(err).replace("budget planner:", f"{where}:", 1), min_budget_bytes=err.min_budget_bytes
         ) from None
-    prediction = predict(segs, prof.costs)
+    prediction = predict(segs, prof.costs, loss_bytes=loss_bytes)
     plan = Plan(
         strategy=f"budget={format_bytes(budget_bytes)}",
         budget_bytes=budget_bytes,
@@ -89,6 +108,8 @@ def prepare(
             *walked.notes,
             *_fusion_notes(chain),
             f"unwrapped step predicted at {format_bytes(unwrapped)}",
+            f"the loss ({'loss_fn' if loss_fn is not None else 'default, a weighted sum of the outputs'}) "
+            f"needs {format_bytes(loss_bytes)} above the output",
             f"the predicted peak falls in {describe_peak(prediction.peak_at, chain.names)}",
         ),
     )
@@ -96,6 +117,7 @@ def prepare(
 
 
 _PROFILES: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, Profile]] = weakref.WeakKeyDictionary()
+_LOSSES: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, int]] = weakref.WeakKeyDictionary()
 
 
 def _cached_profile(model: nn.Module, chain: Chain, x: Any, static: int) -> Profile:
@@ -113,9 +135,36 @@ def _cached_profile(model: nn.Module, chain: Chain, x: Any, static: int) -> Prof
     return per_model[key]
 
 
-def remember_profile(model: nn.Module, chain: Chain, x: Any, profile: Profile) -> None:
+def _cached_loss_bytes(
+    model: nn.Module,
+    chain: Chain,
+    x: Any,
+    step: tuple[tuple[Any, ...], dict[str, Any], LossFn | None],
+    where: str,
+) -> int:
+    """The loss's bytes (:attr:`Profile.loss_bytes`) for this input signature and ``loss_fn``,
+    measured once per loss function object (a new lambda is measured again: one forward)."""
+    args, kwargs, loss_fn = step
+    key = (_profile_key(model, chain, x), loss_fn)
+    per_model = _LOSSES.setdefault(model, {})
+    try:
+        return per_model[key]
+    except TypeError:  # an unhashable loss_fn: measure every time
+        return measure_loss(model, args, kwargs, loss_fn, where=where)
+    except KeyError:
+        per_model[key] = measure_loss(model, args, kwargs, loss_fn, where=where)
+        return per_model[key]
+
+
+def remember_profile(
+    model: nn.Module, chain: Chain, x: Any, profile: Profile, loss_fn: LossFn | None
+) -> None:
     """Keep a profile measured by :func:`autockpt.profile` for later plans of ``model``."""
-    _PROFILES.setdefault(model, {})[_profile_key(model, chain, x)] = profile
+    key = _profile_key(model, chain, x)
+    _PROFILES.setdefault(model, {})[key] = dataclasses.replace(profile, loss_bytes=None)
+    if profile.loss_bytes is not None:
+        with contextlib.suppress(TypeError):
+            _LOSSES.setdefault(model, {})[(key, loss_fn)] = profile.loss_bytes
 
 
 def _profile_key(model: nn.Module, chain: Chain, x: Any) -> Hashable:

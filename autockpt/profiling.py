@@ -9,6 +9,7 @@ medians of repeats and stay noisy. The run is invisible like the dry run: buffer
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import statistics
@@ -21,13 +22,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from autockpt.losses import LossFn, step_loss
 from autockpt.memory import _CpuAllocatorEvents, _StorageTracker, mark
 from autockpt.plan import format_bytes
 from autockpt.planners.budget import StageCost
 from autockpt.runtime import dry_run_state
 from autockpt.walk import Chain, Stage
 
-__all__ = ["Profile", "profile", "profile_chain"]
+__all__ = ["Profile", "measure_loss", "profile", "profile_chain"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,11 @@ class Profile:
         costs: one :class:`~autockpt.planners.budget.StageCost` per stage.
         static_bytes: parameters, buffers and inputs: memory a step needs before it starts.
         device: where it was measured.
+        loss_bytes: what the loss needs on top of the model's output, from its forward
+            through its backward down to the output's gradient (that gradient included):
+            measured for the ``loss_fn`` given, or for :func:`~autockpt.losses.default_loss`.
+            ``None`` when not measured; planners then assume two tensors the size of the
+            output.
     """
 
     walker: str
@@ -47,6 +54,7 @@ class Profile:
     costs: tuple[StageCost, ...]
     static_bytes: int
     device: str
+    loss_bytes: int | None = None
 
     def to_json(self) -> str:
         """The profile as JSON."""
@@ -55,6 +63,7 @@ class Profile:
                 "walker": self.walker,
                 "device": self.device,
                 "static_bytes": self.static_bytes,
+                "loss_bytes": self.loss_bytes,
                 "stages": [{"name": n, **c.to_dict()} for n, c in zip(self.stage_names, self.costs)],
             },
             indent=2,
@@ -80,6 +89,11 @@ class Profile:
         lines = [
             f"autockpt profile: walker={self.walker!r}, device={self.device}, {len(self.costs)} stages, "
             f"parameters+buffers+inputs {format_bytes(self.static_bytes)}"
+            + (
+                f", loss {format_bytes(self.loss_bytes)} above the output"
+                if self.loss_bytes is not None
+                else ""
+            )
         ]
         lines += [
             "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
@@ -315,12 +329,42 @@ def profile_chain(model: nn.Module, chain: Chain, x: Any, static_bytes: int, *, 
     return Profile(chain.walker, chain.names, tuple(costs), static_bytes, str(device))
 
 
+def measure_loss(
+    model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], loss_fn: LossFn | None, *, where: str
+) -> int:
+    """Bytes the loss needs on top of the model's output (see :attr:`Profile.loss_bytes`).
+
+    The output comes from one forward under ``no_grad`` (buffers and RNG untouched) and is
+    made a leaf, so only the loss's own tensors and the output's gradient are counted.
+    """
+    device = next(
+        (t.device for t in _tensors([list(args), kwargs])),
+        next((p.device for p in model.parameters()), torch.device("cpu")),
+    )
+    with dry_run_state(model, [list(args), kwargs]), torch.no_grad():
+        out = model(*args, **kwargs)
+    out = tree_map_only(torch.Tensor, _grad_leaf, out)
+    with _Windows(device) as windows:
+        windows.mark()
+        loss = step_loss(out, loss_fn, where=where)
+        if loss.requires_grad:
+            loss.backward()
+        del loss
+        windows.mark()
+    return windows.result[1][0]
+
+
+def _grad_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_() if t.is_floating_point() or t.is_complex() else t
+
+
 def profile(
     model: nn.Module,
     example_inputs: Sequence[Any],
     *,
     example_kwargs: dict[str, Any] | None = None,
     mode: str | None = None,
+    loss_fn: LossFn | None = None,
     repeats: int = 3,
 ) -> Profile:
     """Measure what every stage of ``model`` costs in one training step on these inputs.
@@ -341,6 +385,10 @@ def profile(
         example_inputs: positional inputs, a batch of the size you train with.
         example_kwargs: keyword inputs.
         mode: force a walker, as for :func:`auto_checkpoint`.
+        loss_fn: the loss you train with, from the model's output to a scalar
+            (``lambda out: F.cross_entropy(out, labels)``); its bytes are measured too,
+            because the loss runs when every saved activation is alive. By default a
+            weighted sum of the outputs (:func:`~autockpt.losses.default_loss`).
         repeats: timing repeats per stage (times are medians; bytes are exact).
 
     Returns:
@@ -360,7 +408,11 @@ def profile(
     walked = walk(model, mode, where="profile")
     probe = _probe(model, walked, example_inputs, example_kwargs, "profile")
     chain = build_chain(walked.walker, walked.units, probe)
-    x = _entry_value(walked, _as_args(example_inputs), dict(example_kwargs or {}), "profile")
+    args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
+    x = _entry_value(walked, args, kwargs, "profile")
     result = profile_chain(model, chain, x, _static_bytes(model, x), repeats=repeats)
-    remember_profile(model, chain, x, result)
+    result = dataclasses.replace(
+        result, loss_bytes=measure_loss(model, args, kwargs, loss_fn, where="profile")
+    )
+    remember_profile(model, chain, x, result, loss_fn)
     return result

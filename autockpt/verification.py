@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from autockpt.apply import auto_checkpoint, restore
 from autockpt.forward import installed as _installed
+from autockpt.losses import LossFn, step_loss
 from autockpt.memory import MemoryStats, track_memory
 from autockpt.plan import Plan, format_bytes
 from autockpt.planning import SegmentsSpec, _as_args
@@ -107,14 +108,15 @@ def verify(
     *,
     example_kwargs: dict[str, Any] | None = None,
     segments: SegmentsSpec | None = None,
+    loss_fn: LossFn | None = None,
     atol: float = 0.0,
     rtol: float = 0.0,
 ) -> VerifyReport:
     """Compare one training step of ``model`` with and without checkpointing.
 
-    The loss is a fixed random weighting of every floating-point output, so every output
-    element gets a gradient. Floating-point inputs are made to require gradients (on
-    copies) so that input gradients are compared too.
+    The loss is ``loss_fn``, by default a fixed random weighting of every floating-point
+    output, so every output element gets a gradient. Floating-point inputs are made to
+    require gradients (on copies) so that input gradients are compared too.
 
     Args:
         model: a model, checkpointed or not. It is left exactly as it was.
@@ -122,6 +124,7 @@ def verify(
         example_kwargs: keyword inputs for it (an attention mask, say).
         segments: the plan to check, as for :func:`auto_checkpoint`; by default the
             model's installed plan, or ``"sqrt"`` for a model that is not checkpointed.
+        loss_fn: the loss you train with (output -> scalar); it also sets the measured peaks.
         atol: absolute tolerance (0: bitwise, as expected on CPU).
         rtol: relative tolerance.
 
@@ -141,15 +144,15 @@ def verify(
     with _preserved(model) as fresh:
         _unwrap(model)
         fresh()
-        _step(model, args, device, kwargs)  # warm-up: lazy initialisation stays out of the figures
+        _step(model, args, device, kwargs, loss_fn)  # warm-up: lazy initialisation stays out of the figures
         fresh()
-        reference = _step(model, args, device, kwargs)
+        reference = _step(model, args, device, kwargs, loss_fn)
         auto_checkpoint(model, spec, example_inputs=args, example_kwargs=kwargs)
         installed_now = _installed(model)
         assert installed_now is not None
         plan = installed_now.plan
         fresh()
-        checkpointed = _step(model, args, device, kwargs)
+        checkpointed = _step(model, args, device, kwargs, loss_fn)
     return _compare(plan, reference, checkpointed, atol, rtol)
 
 
@@ -205,17 +208,26 @@ def _requires_grad_copy(x: Any) -> Any:
 
 
 def _step(
-    model: nn.Module, args: Sequence[Any], device: torch.device, kwargs: dict[str, Any] | None = None
+    model: nn.Module,
+    args: Sequence[Any],
+    device: torch.device,
+    kwargs: dict[str, Any] | None = None,
+    loss_fn: LossFn | None = None,
+    *,
+    input_grads: bool = True,
 ) -> _Step:
-    inputs = [_requires_grad_copy(a) for a in args]
-    gen = torch.Generator().manual_seed(0)
+    # on copies, so the caller's tensors get no .grad; without input_grads, only the inputs
+    # that require gradients already get one, as in the caller's own step
+    inputs = [
+        _requires_grad_copy(a) if input_grads or (isinstance(a, torch.Tensor) and a.requires_grad) else a
+        for a in args
+    ]
     with track_memory(device) as mem:
         out = model(*inputs, **(kwargs or {}))
-        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        weights = [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in leaves]
-        loss = sum(((t * w).sum() for t, w in zip(leaves, weights)), torch.zeros((), device=device))
+        loss = step_loss(out, loss_fn, where="verify")
         if loss.requires_grad:
             loss.backward()
+        del loss
     tensors: dict[str, torch.Tensor | None] = {}
     for i, t in enumerate(tree_leaves(out)):
         if isinstance(t, torch.Tensor):
@@ -278,16 +290,19 @@ def _compare(plan: Plan, ref: _Step, ckpt: _Step, atol: float, rtol: float) -> V
     )
 
 
-def measure_step(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> int:
+def measure_step(
+    model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None = None, loss_fn: LossFn | None = None
+) -> int:
     """Allocator-level peak of one training step of ``model`` as it is now, parameters,
-    buffers and inputs included; the model is left exactly as it was."""
+    buffers and inputs included; the model is left exactly as it was. The inputs are used as
+    they are: unlike :func:`verify`, no input gradient is computed unless one is asked for."""
     from autockpt.planning import _static_bytes
 
     device = _device_of(model, args)
     with _preserved(model) as fresh:
         fresh()
-        _step(model, args, device, kwargs)  # warm-up
+        _step(model, args, device, kwargs, loss_fn, input_grads=False)  # warm-up
         fresh()
-        step = _step(model, args, device, kwargs)
+        step = _step(model, args, device, kwargs, loss_fn, input_grads=False)
     values = [*args, *(kwargs or {}).values()]
     return _static_bytes(model, values) + step.memory.peak_bytes

@@ -54,21 +54,21 @@ def all_single_level_plans(n: int) -> list[tuple[Segment, ...]]:
     return plans
 
 
-@given(stage_costs(), st.floats(0.2, 1.2))
-def test_dp_equals_exhaustive_search(costs: tuple[StageCost, ...], fraction: float) -> None:
-    unwrapped = predict((Segment(0, len(costs), False),), costs).peak_bytes
+@given(stage_costs(), st.floats(0.2, 1.2), st.none() | st.integers(0, 100_000))
+def test_dp_equals_exhaustive_search(costs: tuple[StageCost, ...], fraction: float, loss: int | None) -> None:
+    unwrapped = predict((Segment(0, len(costs), False),), costs, loss_bytes=loss).peak_bytes
     budget = int(fraction * unwrapped)
     best = min(
-        (predict(p, costs).recompute_ms for p in all_single_level_plans(len(costs))
-         if predict(p, costs).peak_bytes <= budget),
+        (predict(p, costs, loss_bytes=loss).recompute_ms for p in all_single_level_plans(len(costs))
+         if predict(p, costs, loss_bytes=loss).peak_bytes <= budget),
         default=None,
     )  # fmt: skip
-    plan = _solve(costs, budget)
+    plan = _solve(costs, budget, loss)
     if best is None:
         assert plan is None
         return
     assert plan is not None
-    got = predict(plan, costs)
+    got = predict(plan, costs, loss_bytes=loss)
     assert got.peak_bytes <= budget
     assert math.isclose(got.recompute_ms, best, rel_tol=1e-9, abs_tol=1e-9)
 
@@ -259,7 +259,7 @@ def test_infeasible_budget_through_the_api() -> None:
 def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> None:
     import random
 
-    from autockpt.planners.budget import _solve_dense, _solve_exact
+    from autockpt.planners.budget import _Model, _solve_dense, _solve_exact
 
     rng = random.Random(1)
     costs = tuple(
@@ -270,7 +270,7 @@ def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> N
     unwrapped = predict((Segment(0, 80, False),), costs).peak_bytes
     floor = min_feasible_budget(costs)
     budget = (floor + unwrapped) // 2
-    grid, exact = _solve_dense(costs, budget), _solve_exact(costs, budget)
+    grid, exact = _solve_dense(_Model(costs), budget), _solve_exact(_Model(costs), budget)
     assert grid is not None and exact is not None
     assert predict(grid, costs).peak_bytes <= budget
     assert (
@@ -298,9 +298,11 @@ def test_check_tightens_a_plan_whose_prediction_was_too_low(monkeypatch: pytest.
     real = verification.measure_step
     calls: list[int] = []
 
-    def optimistic_model(model: nn.Module, args: object, kwargs: object = None) -> int:
+    def optimistic_model(
+        model: nn.Module, args: object, kwargs: object = None, loss_fn: object = None
+    ) -> int:
         calls.append(1)
-        return real(model, args, kwargs) + (MiB if len(calls) == 1 else 0)  # first plan "too big"
+        return real(model, args, kwargs, loss_fn) + (MiB if len(calls) == 1 else 0)  # first plan "too big"
 
     monkeypatch.setattr(verification, "measure_step", optimistic_model)
     x = torch.randn(1024, 128)

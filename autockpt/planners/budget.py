@@ -10,8 +10,15 @@ so
     peak(plan) = max over items j of  H_j + local(item j)
 
 where ``local`` depends only on the item's span (its forward, and in backward its recompute
-plus the gradients of everything after it). Between forward and backward the loss is
-assumed to keep one tensor the size of the output besides the output and its gradient.
+plus the gradients of everything after it). Between forward and backward the loss runs
+on top of everything held: the output and the loss's working bytes (its intermediates and
+the output's gradient), which :func:`autockpt.profile` measures for the loss it is given
+(``loss_bytes``); without a measurement, two tensors the size of the output are assumed.
+The output itself stays alive through the backward, as a training loop's ``out`` variable
+keeps it (``out = model(x); loss_fn(out).backward()``); a step written as one expression
+frees it earlier and peaks up to one output lower than predicted.
+The chain's input is one of the static bytes (with parameters and buffers) that every
+budget includes, so the first item never counts it again.
 This makes the problem a shortest path over positions with the held bytes as a resource,
 in the spirit of Beaumont et al. 2019, "Optimal checkpointing for heterogeneous chains"
 (restricted here to one level of checkpoints; nested plans can still be given by hand).
@@ -36,7 +43,14 @@ from autockpt.errors import PlanInfeasibleError
 from autockpt.plan import Segment, format_bytes
 from autockpt.planners.registry import PlanRequest, register_planner
 
-__all__ = ["Prediction", "StageCost", "budget_planner", "min_feasible_budget", "predict"]
+__all__ = [
+    "Prediction",
+    "StageCost",
+    "assumed_loss_bytes",
+    "budget_planner",
+    "min_feasible_budget",
+    "predict",
+]
 
 _EXACT_UP_TO = 64
 _RESOLUTION = 128
@@ -97,17 +111,29 @@ class Prediction:
     peak_at: tuple[int, int, str] = (0, 0, "loss")
 
 
+def assumed_loss_bytes(costs: Sequence[StageCost]) -> int:
+    """The loss's working bytes when none were measured: one intermediate the size of the
+    output and the output's gradient (a weighted sum, an MSE against a target)."""
+    return 2 * costs[-1].out_bytes if costs else 0
+
+
 class _Model:
     """The cost model. ``kept`` says whether the item before holds the current input
     (a plain stage that keeps its output), so a boundary tensor is counted once."""
 
-    def __init__(self, costs: Sequence[StageCost]) -> None:
+    def __init__(self, costs: Sequence[StageCost], loss_bytes: int | None = None) -> None:
         self.c = list(costs)
         n = len(costs)
         self.grads_after = [sum(c.grad_bytes for c in costs[i + 1 :]) for i in range(n)]
-        # between forward and backward the loss runs: the output, one loss intermediate of
-        # its size and the output's gradient are alive on top of everything held
-        self.loss = 3 * costs[-1].out_bytes if costs else 0
+        self.loss_bytes = assumed_loss_bytes(costs) if loss_bytes is None else loss_bytes
+        # the output stays alive through the whole backward: a training loop's ``out``
+        # variable (``out = model(x); loss_fn(out).backward()``) still refers to it
+        self.out = costs[-1].out_bytes if costs else 0
+
+    def loss(self, kept: bool) -> int:
+        """What the loss adds to everything held: the output, unless the last plain stage
+        holds it already, and the loss's working bytes."""
+        return (self.c[-1].out_bytes * (not kept) if self.c else 0) + self.loss_bytes
 
     def held(self, i: int, kept: bool) -> int:
         """What plain stage ``i`` holds until its backward."""
@@ -117,7 +143,8 @@ class _Model:
     def plain_local(self, i: int, kept: bool) -> int:
         c = self.c[i]
         fwd = c.in_bytes * (not kept) + c.fwd_peak_bytes
-        bwd = self.held(i, kept) + c.out_bytes + c.bwd_peak_bytes + self.grads_after[i]
+        out = self.out * (not (i == len(self.c) - 1 and c.keeps_output))  # unless held already
+        bwd = self.held(i, kept) + c.out_bytes + c.bwd_peak_bytes + self.grads_after[i] + out
         return max(fwd, bwd)
 
     def checkpoint_locals(self, s: int, kept: bool) -> Iterator[tuple[int, float]]:
@@ -133,9 +160,9 @@ class _Model:
             c = self.c[i]
             current = c.in_bytes if i > s else 0
             first = base + current + c.fwd_peak_bytes
-            refwd = base + before + c.in_bytes * (not inner_kept) + c.fwd_peak_bytes
+            refwd = base + before + c.in_bytes * (not inner_kept) + c.fwd_peak_bytes + self.out
             held = self.held(i, inner_kept)
-            rebwd = base + before + held + c.out_bytes + c.bwd_peak_bytes + self.grads_after[i]
+            rebwd = base + before + held + c.out_bytes + c.bwd_peak_bytes + self.grads_after[i] + self.out
             local, ms = max(local, first, refwd, rebwd), ms + c.fwd_ms
             before += held
             inner_kept = c.keeps_output
@@ -145,14 +172,17 @@ class _Model:
         return self.c[s].in_bytes * (not kept)
 
 
-def predict(segments: Sequence[Segment], costs: Sequence[StageCost]) -> Prediction:
+def predict(
+    segments: Sequence[Segment], costs: Sequence[StageCost], *, loss_bytes: int | None = None
+) -> Prediction:
     """Peak bytes and recompute time of a single-level plan under the cost model.
 
-    Nested segments are predicted as if their checkpointed segment recomputed plainly
-    (an upper bound on their peak).
+    ``loss_bytes`` is the loss's working bytes (:attr:`autockpt.Profile.loss_bytes`);
+    ``None`` assumes two tensors the size of the output. Nested segments are predicted as
+    if their checkpointed segment recomputed plainly (an upper bound on their peak).
     """
-    model = _Model(costs)
-    held, peak, recompute, kept = 0, 0, 0.0, False
+    model = _Model(costs, loss_bytes)
+    held, peak, recompute, kept = 0, 0, 0.0, True  # the chain's input is a static byte
     at: tuple[int, int, str] = (0, 0, "loss")
     for seg in segments:
         if seg.checkpoint:
@@ -173,24 +203,27 @@ def predict(segments: Sequence[Segment], costs: Sequence[StageCost]) -> Predicti
                     peak, at = held + local, (i, i + 1, "forward" if fwd == local else "backward")
                 held += model.held(i, kept)
                 kept = costs[i].keeps_output
-    if held + model.loss > peak:
-        peak, at = held + model.loss, (len(costs), len(costs), "loss")
+    if held + model.loss(kept) > peak:
+        peak, at = held + model.loss(kept), (len(costs), len(costs), "loss")
     return Prediction(peak, recompute, at)
 
 
-def _solve(costs: Sequence[StageCost], budget: int) -> tuple[Segment, ...] | None:
+def _solve(
+    costs: Sequence[StageCost], budget: int, loss_bytes: int | None = None
+) -> tuple[Segment, ...] | None:
     """Least-recompute single-level plan with predicted peak <= budget, or None."""
+    model = _Model(costs, loss_bytes)
     if len(costs) > _EXACT_UP_TO and importlib.util.find_spec("numpy") is not None:
-        return _solve_dense(costs, budget)
-    return _solve_exact(costs, budget)  # exact; slow on long chains without numpy
+        return _solve_dense(model, budget)
+    return _solve_exact(model, budget)  # exact; slow on long chains without numpy
 
 
-def _solve_dense(costs: Sequence[StageCost], budget: int) -> tuple[Segment, ...] | None:
+def _solve_dense(model: _Model, budget: int) -> tuple[Segment, ...] | None:
     """The same DP on a grid of held bytes (rounded up), vectorised with numpy."""
     import numpy as np
 
+    costs = model.c
     n = len(costs)
-    model = _Model(costs)
     quantum = max(1, math.ceil(budget / _RESOLUTION))
     nb = budget // quantum + 1
     cost = np.full((2, n + 1, nb), np.inf)
@@ -199,7 +232,7 @@ def _solve_dense(costs: Sequence[StageCost], budget: int) -> tuple[Segment, ...]
     prev_bucket = np.zeros((2, n + 1, nb), dtype=np.int64)
     prev_ck = np.zeros((2, n + 1, nb), dtype=np.int8)
     buckets = np.arange(nb)
-    cost[0, 0, 0] = 0.0
+    cost[1, 0, 0] = 0.0  # the chain's input is held already: it is a static byte
 
     def relax(
         src_flag: int, s: int, limit: int, shift: int, dst_flag: int, t: int, extra: float, ck: int
@@ -239,7 +272,7 @@ def _solve_dense(costs: Sequence[StageCost], budget: int) -> tuple[Segment, ...]
         (cost[f, n, b], b, f)
         for f in (0, 1)
         for b in np.nonzero(np.isfinite(cost[f, n]))[0]
-        if b * quantum + model.loss <= budget
+        if b * quantum + model.loss(bool(f)) <= budget
     ]
     if not ends:
         return None
@@ -253,16 +286,16 @@ def _solve_dense(costs: Sequence[StageCost], budget: int) -> tuple[Segment, ...]
     return _merge_plain(segments[::-1])
 
 
-def _solve_exact(costs: Sequence[StageCost], budget: int) -> tuple[Segment, ...] | None:
+def _solve_exact(model: _Model, budget: int) -> tuple[Segment, ...] | None:
     """Pareto fronts of exact held bytes (small chains)."""
+    costs = model.c
     n = len(costs)
-    model = _Model(costs)
     quantum = 1
     # front[(i, kept)]: {held: (recompute, previous position, previous flag, previous held, segment)}
     front: dict[tuple[int, bool], dict[int, tuple[float, int, bool, int, Segment | None]]] = {
         (i, k): {} for i in range(n + 1) for k in (False, True)
     }
-    front[(0, False)][0] = (0.0, -1, False, 0, None)
+    front[(0, True)][0] = (0.0, -1, True, 0, None)  # the chain's input is a static byte
     for s in range(n):
         for kept in (False, True):
             points = sorted(front[(s, kept)].items())
@@ -293,7 +326,7 @@ def _solve_exact(costs: Sequence[StageCost], budget: int) -> tuple[Segment, ...]
         (v[0], h, flag)
         for flag in (False, True)
         for h, v in front[(n, flag)].items()
-        if h + model.loss <= budget
+        if h + model.loss(flag) <= budget
     ]
     if not ends:
         return None
@@ -346,12 +379,12 @@ def _merge_plain(segments: list[Segment]) -> tuple[Segment, ...]:
     return tuple(out)
 
 
-def min_feasible_budget(costs: Sequence[StageCost]) -> int:
+def min_feasible_budget(costs: Sequence[StageCost], *, loss_bytes: int | None = None) -> int:
     """The smallest budget any single-level plan fits, by bisection on the planner."""
-    lo, hi = 0, predict((Segment(0, len(costs), False),), costs).peak_bytes
+    lo, hi = 0, predict((Segment(0, len(costs), False),), costs, loss_bytes=loss_bytes).peak_bytes
     while hi - lo > max(1, hi // 1000):
         mid = (lo + hi) // 2
-        if _solve(costs, mid) is None:
+        if _solve(costs, mid, loss_bytes) is None:
             lo = mid
         else:
             hi = mid
@@ -372,10 +405,10 @@ def budget_planner(request: PlanRequest) -> tuple[Segment, ...]:
             "auto_checkpoint(model, budget='2GiB', example_inputs=(x,))."
         )
     budget = request.budget_bytes - request.static_bytes
-    plan = _solve(request.costs, budget) if budget > 0 else None
+    plan = _solve(request.costs, budget, request.loss_bytes) if budget > 0 else None
     if plan is None:
-        floor = min_feasible_budget(request.costs) + request.static_bytes
-        model = _Model(request.costs)
+        floor = min_feasible_budget(request.costs, loss_bytes=request.loss_bytes) + request.static_bytes
+        model = _Model(request.costs, request.loss_bytes)
         worst = max(range(request.n_stages), key=lambda i: request.costs[i].bwd_peak_bytes)  # type: ignore[index]
         raise PlanInfeasibleError(
             f"budget planner: no plan fits budget={format_bytes(request.budget_bytes)}; the smallest "

@@ -42,6 +42,9 @@ class PlanRequest:
         budget_bytes: the memory budget for a whole training step, if one was given.
         static_bytes: bytes that exist before the step (parameters, buffers, inputs),
             which the budget includes but no plan changes.
+        loss_bytes: what the loss needs on top of the model's output (its intermediates
+            and the output's gradient), when measured; ``None`` assumes two tensors the
+            size of the output.
     """
 
     stage_names: tuple[str, ...]
@@ -50,6 +53,7 @@ class PlanRequest:
     costs: tuple[StageCost, ...] | None = None
     budget_bytes: int | None = None
     static_bytes: int = 0
+    loss_bytes: int | None = None
 
     @property
     def n_stages(self) -> int:
