@@ -3,6 +3,7 @@
     autockpt plan torchvision.models:resnet50 --input 8x3x224x224 --budget 0.5
     autockpt verify autockpt.models:NiN --input 16x3x32x32 --segments sqrt
     autockpt profile mypkg.nets:build --kwargs '{"depth": 12}' --input 4x256:int64 --json
+    autockpt plan mypkg.nets:gpt --input 8x1024:int64 --device meta --budget 40GiB --loss cross-entropy
 
 Tables for people by default, ``--json`` for machines. Exit codes: 0 success, 1 when
 ``verify`` finds a mismatch (or a budget is infeasible), 2 for a bad command line (unknown
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["budget_arg", "load_factory", "main", "parse_input"]
+__all__ = ["budget_arg", "cross_entropy_loss", "load_factory", "main", "parse_input"]
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float64": torch.float64, "double": torch.float64,
@@ -143,11 +144,37 @@ def budget_arg(text: str | None) -> int | float | str | None:
         return text
 
 
+def cross_entropy_loss(out: Any) -> torch.Tensor:
+    """Cross-entropy of the first floating-point output, taken as logits over its last
+    dimension (``(N, C)``, or ``(B, T, V)`` for a language model), against class 0.
+
+    Examples:
+        >>> cross_entropy_loss(torch.zeros(2, 3, 5)).item() == torch.log(torch.tensor(5.0)).item()
+        True
+    """
+    from torch.nn import functional as F  # noqa: N812
+    from torch.utils._pytree import tree_leaves
+
+    floating = (t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    logits = next(floating, None)
+    if logits is None or logits.dim() < 2:
+        got = "no floating-point output" if logits is None else f"an output of shape {tuple(logits.shape)}"
+        raise CommandLineError(f"--loss cross-entropy needs logits of shape (N, C) or (B, T, V); got {got}.")
+    flat = logits.flatten(0, -2)
+    return F.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device))
+
+
+_LOSSES: dict[str, Callable[[Any], torch.Tensor] | None] = {
+    "default": None,
+    "cross-entropy": cross_entropy_loss,
+}
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
     import autockpt
 
     model, inputs = _build(args)
-    prof = autockpt.profile(model, inputs, mode=args.mode, repeats=args.repeats)
+    prof = autockpt.profile(model, inputs, mode=args.mode, loss_fn=_LOSSES[args.loss], repeats=args.repeats)
     print(prof.to_json() if args.json else prof)
     return 0
 
@@ -157,8 +184,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     model, inputs = _build(args)
     plan = autockpt.make_plan(
-        model, _segments(args.segments), budget=budget_arg(args.budget), example_inputs=inputs, mode=args.mode
-    )
+        model, _segments(args.segments), budget=budget_arg(args.budget), example_inputs=inputs,
+        mode=args.mode, loss_fn=_loss_for_plan(args),
+    )  # fmt: skip
     print(plan.to_json() if args.json else plan)
     return 0
 
@@ -170,11 +198,17 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         raise CommandLineError("verify runs a training step, which the meta device cannot; use cpu or cuda.")
     model, inputs = _build(args)
     model = autockpt.auto_checkpoint(
-        model, _segments(args.segments), budget=budget_arg(args.budget), example_inputs=inputs, mode=args.mode
-    )
-    report = autockpt.verify(model, inputs, atol=args.atol, rtol=args.rtol)
+        model, _segments(args.segments), budget=budget_arg(args.budget), example_inputs=inputs,
+        mode=args.mode, loss_fn=_loss_for_plan(args),
+    )  # fmt: skip
+    report = autockpt.verify(model, inputs, loss_fn=_LOSSES[args.loss], atol=args.atol, rtol=args.rtol)
     print(report.to_json() if args.json else report)
     return 0 if report.ok else 1
+
+
+def _loss_for_plan(args: argparse.Namespace) -> Callable[[Any], torch.Tensor] | None:
+    """The loss to plan a budget for; without a budget the loss plays no part in a plan."""
+    return _LOSSES[args.loss] if args.budget is not None else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--mode", choices=["sequential", "graph", "blocks"], default=None, help="force a walker"
     )
+    common.add_argument(
+        "--loss", choices=list(_LOSSES), default="default",
+        help="the training loss whose memory a budget covers: 'default' (a weighted sum of the "
+        "outputs) or 'cross-entropy' (of the first output, logits over its last dimension)",
+    )  # fmt: skip
     common.add_argument("--json", action="store_true", help="machine-readable output")
     planning = argparse.ArgumentParser(add_help=False)
     planning.add_argument("--segments", default="sqrt", help="'sqrt' (default), 'none' or a number")

@@ -36,7 +36,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,7 +183,12 @@ def build_runs(
     torch.manual_seed(args.seed)
     reference = autockpt.models.NiN(10).to(device, memory_format=FORMATS[fmt])
     start_rng = rng_state(device)
-    profile = autockpt.profile(reference, (example,))
+    labels = torch.zeros(example.shape[0], dtype=torch.long, device=device)  # bytes need only the shape
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:  # the training loss, for the memory plan
+        return F.cross_entropy(logits, labels)
+
+    profile = autockpt.profile(reference, (example,), loss_fn=loss_fn)
     messages: list[str] = []
     runs: list[Run] = []
     for name in ["unwrapped", *args.strategies]:
@@ -192,7 +197,7 @@ def build_runs(
         if name != "unwrapped":
             spec: int | str | autockpt.Plan = int(name) if name.isdigit() else name
             if name == "budget":
-                spec = budget_plan(reference, args.budget, example, fmt, messages)
+                spec = budget_plan(reference, args.budget, example, loss_fn, fmt, messages)
             model = autockpt.auto_checkpoint(model, spec, example_inputs=(example,))
             plan = model.forward.plan  # the installed plan
             segments = plan.segments
@@ -210,17 +215,25 @@ def build_runs(
 
 
 def budget_plan(
-    model: nn.Module, budget: str, example: torch.Tensor, fmt: str, messages: list[str]
+    model: nn.Module,
+    budget: str,
+    example: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    fmt: str,
+    messages: list[str],
 ) -> autockpt.Plan:
     """The budget plan, or, when the budget is infeasible, the plan at the smallest feasible one."""
     try:
-        return autockpt.make_plan(model, budget=budget_arg(budget), example_inputs=(example,))
+        spec = budget_arg(budget)
+        return autockpt.make_plan(model, budget=spec, example_inputs=(example,), loss_fn=loss_fn)
     except autockpt.PlanInfeasibleError as err:
         if err.min_budget_bytes is None:
             raise
         messages.append(f"{fmt}, budget={budget}: {err}")
         messages.append(f"{fmt}: the budget strategy runs at the smallest feasible budget instead")
-        return autockpt.make_plan(model, budget=err.min_budget_bytes, example_inputs=(example,))
+        return autockpt.make_plan(
+            model, budget=err.min_budget_bytes, example_inputs=(example,), loss_fn=loss_fn
+        )
 
 
 def step(
@@ -361,7 +374,8 @@ def summarise(
     rows = []
     for run in runs:
         segments = run.segments
-        where = describe_peak(predict(segments, profile.costs).peak_at, profile.stage_names)
+        prediction = predict(segments, profile.costs, loss_bytes=profile.loss_bytes)
+        where = describe_peak(prediction.peak_at, profile.stage_names)
         med = statistics.median(run.step_s) if run.step_s else float("nan")
         params_equal = all(
             torch.equal(a, b)

@@ -60,8 +60,13 @@ class Sequential(nn.Module):
         return checkpoint_sequential(self.body, self.k, x, use_reentrant=False)
 
 
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
 def train(model: nn.Module, x: torch.Tensor) -> None:
-    model(x).square().mean().backward()
+    out = model(x)  # kept through backward, as in a training loop
+    loss_fn(out).backward()
     for p in model.parameters():
         p.grad = None
 
@@ -100,16 +105,17 @@ def run(name: str, factory: Callable[[], nn.Sequential], x: torch.Tensor, repeat
         model = autockpt.auto_checkpoint(copy.deepcopy(plain), k, example_inputs=(x,))
         peak, ratio = measure(plain, model, x, repeats)
         rows.append({"kind": "autockpt uniform", "setting": k, "peak": peak, "overhead": ratio})
-    prof = autockpt.profile(plain, (x,))  # later plans of `plain` reuse it
-    floor = min_feasible_budget(prof.costs) + prof.static_bytes
-    unwrapped = autockpt.make_plan(plain, budget=1.0, example_inputs=(x,)).predicted_peak_bytes or base
+    prof = autockpt.profile(plain, (x,), loss_fn=loss_fn)  # later plans of `plain` reuse it
+    floor = min_feasible_budget(prof.costs, loss_bytes=prof.loss_bytes) + prof.static_bytes
+    plan = autockpt.make_plan(plain, budget=1.0, example_inputs=(x,), loss_fn=loss_fn)
+    unwrapped = plan.predicted_peak_bytes or base
     # 8 budgets from the floor to unwrapped, plus every peak a uniform split reached, so that
     # each uniform split meets a budget plan made for exactly its memory level
     grid = {int(floor + (unwrapped - floor) * i / 7) for i in range(8)}
     levels = {int(r["peak"]) for r in rows if "error" not in r and floor <= int(r["peak"]) <= unwrapped}  # type: ignore[call-overload]
     measured: dict[tuple[Segment, ...], tuple[int, float]] = {}
     for budget in sorted(grid | levels):
-        plan = autockpt.make_plan(plain, budget=budget, example_inputs=(x,))
+        plan = autockpt.make_plan(plain, budget=budget, example_inputs=(x,), loss_fn=loss_fn)
         if plan.segments not in measured:
             model = autockpt.auto_checkpoint(copy.deepcopy(plain), plan, example_inputs=(x,))
             measured[plan.segments] = measure(plain, model, x, repeats)
@@ -137,6 +143,8 @@ def report(name: str, base: int, rows: list[dict[str, object]], out: Path) -> No
         fits = [b for b in budget if b["peak"] <= u["peak"]]  # type: ignore[operator]
         best = min((b["overhead"] for b in fits), default=None)  # type: ignore[type-var]
         verdicts.append(best is not None and best <= u["overhead"] + 0.03)  # type: ignore[operator]
+    errors = [abs(int(b["predicted"]) - int(b["peak"])) / int(b["peak"]) for b in budget]  # type: ignore[call-overload]
+    print(f"\nbudget plans: predicted peak within {100 * max(errors):.2f}% of the measured one (worst case)")
     lowest_uniform = min(int(u["peak"]) for u in uniform)  # type: ignore[call-overload]
     lowest_budget = min(int(b["peak"]) for b in budget)  # type: ignore[call-overload]
     print(

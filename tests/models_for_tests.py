@@ -132,3 +132,10 @@ def drifting_chain(width: int = 8) -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(width, width), CallCounter(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 2)
     )
+
+
+def tiny_lm(vocab: int = 1000, width: int = 16) -> nn.Sequential:
+    """Token ids to logits over a vocabulary much wider than the model: the loss dominates."""
+    return nn.Sequential(
+        nn.Embedding(vocab, width), nn.Linear(width, width), nn.GELU(), nn.Linear(width, vocab)
+    )

@@ -147,3 +147,38 @@ def test_plans_on_the_meta_device_and_refuses_to_verify_there(capsys: pytest.Cap
     assert code == 0 and json.loads(out)["budget_bytes"] > 8 * 2**30  # far beyond what CI allocates
     code, _, err = run(["verify", "autockpt.models:NiN", "--input", "2x3x32x32", "--device", "meta"], capsys)
     assert code == 2 and "meta device" in err
+
+
+def test_the_loss_a_budget_covers_can_be_named(capsys: pytest.CaptureFixture[str]) -> None:
+    logits = 4 * 16 * 1000 * 4  # batch 4, 16 tokens, vocabulary 1000, float32
+    argv = ["profile", "models_for_tests:tiny_lm", "--input", "4x16:int64", "--device", "meta", "--json"]
+    _, out, _ = run(argv, capsys)
+    default = json.loads(out)["loss_bytes"]
+    code, out, _ = run([*argv, "--loss", "cross-entropy"], capsys)
+    cross_entropy = json.loads(out)["loss_bytes"]
+    assert code == 0 and default == pytest.approx(2 * logits, abs=64)
+    assert cross_entropy >= 2 * logits  # log-softmax output and the logits' gradient, at least
+    plans = [
+        json.loads(run(["plan", *argv[1:], "--budget", "1.0", "--loss", loss], capsys)[1])
+        for loss in ("default", "cross-entropy")
+    ]
+    assert plans[1]["predicted_peak_bytes"] - plans[0]["predicted_peak_bytes"] == cross_entropy - default
+
+
+def test_cross_entropy_needs_logits(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "plan",
+        "autockpt.models:NiN",
+        "--input",
+        "2x3x32x32",
+        "--budget",
+        "1.0",
+        "--loss",
+        "cross-entropy",
+    ]
+    code, _, _ = run(argv, capsys)
+    assert code == 0  # NiN's output is (N, 10) logits
+    argv = ["profile", "models_for_tests:drifting_chain", "--kwargs", '{"width": 4}', "--input", "4",
+            "--loss", "cross-entropy"]  # fmt: skip
+    code, _, err = run(argv, capsys)
+    assert code == 2 and "needs logits of shape (N, C)" in err
