@@ -162,6 +162,10 @@ def test_budget_strings(text: str) -> None:
     assert parse_budget(text, unwrapped_bytes=1, where="t") == expected[text]
 
 
+def square_mean(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
 def total_peak(model: nn.Module, x: torch.Tensor) -> int:
     tensors = [*model.parameters(), *model.buffers(), x]
     static = sum(t.numel() * t.element_size() for t in tensors)
@@ -169,7 +173,9 @@ def total_peak(model: nn.Module, x: torch.Tensor) -> int:
         for p in model.parameters():
             p.grad = None
         with autockpt.track_memory("cpu", tensors=False) as mem:
-            model(x).square().mean().backward()
+            out = model(x)
+            square_mean(out).backward()
+            del out
     return static + mem.peak_bytes
 
 
@@ -198,15 +204,17 @@ def test_predicted_peak_matches_measured_and_the_budget_holds(name: str) -> None
     model_factory, data, fractions = CASES[name]
     torch.manual_seed(0)
     model, x = model_factory(), data()
-    unwrapped = autockpt.make_plan(model, budget=1.0, example_inputs=(x,)).predicted_peak_bytes
+    unwrapped = autockpt.make_plan(
+        model, budget=1.0, example_inputs=(x,), loss_fn=square_mean
+    ).predicted_peak_bytes
     assert unwrapped is not None
     for fraction in fractions:
-        plan = autockpt.make_plan(model, budget=fraction, example_inputs=(x,))
+        plan = autockpt.make_plan(model, budget=fraction, example_inputs=(x,), loss_fn=square_mean)
         autockpt.auto_checkpoint(model, plan)
         measured = total_peak(model, x)
         predicted = plan.predicted_peak_bytes
         assert predicted is not None and predicted <= fraction * unwrapped
-        assert abs(measured - predicted) <= 0.10 * measured, (fraction, measured, predicted)
+        assert abs(measured - predicted) <= 0.02 * measured, (fraction, measured, predicted)  # issue: 10%
         assert measured <= 1.05 * fraction * unwrapped, (fraction, measured, unwrapped)
         autockpt.restore(model)
 
