@@ -1,0 +1,123 @@
+"""CUDA: allocator statistics and events in ``track_memory`` and ``profile``, budgets and
+exact gradients on a GPU. Skipped without one, except the window arithmetic, which runs
+everywhere against a fake allocator. ``.ci/gpu`` runs this file and the CUDA benchmark."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autockpt
+from autockpt.profiling import _Windows
+
+MiB = 2**20
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class FakeAllocator:
+    """What ``torch.cuda`` reports about memory, driven by hand."""
+
+    def __init__(self) -> None:
+        self.allocated = self.peak = 0
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, n: int) -> None:
+        self.allocated -= n
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self._reset)
+
+    def _reset(self, device: object = None) -> None:
+        self.peak = self.allocated
+
+
+def test_cuda_windows_report_peak_and_net_above_each_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeAllocator()
+    fake.install(monkeypatch)
+    fake.alloc(100)  # parameters: before any window
+    with _Windows(torch.device("cuda", 0)) as windows:
+        windows.mark()
+        fake.alloc(50)
+        fake.alloc(30)
+        fake.free(50)
+        windows.mark()  # window 1: peak 80, net 30
+        fake.free(30)
+        windows.mark()  # window 2: peak 0, net -30
+        fake.alloc(10)
+        fake.free(10)
+        windows.mark()  # window 3: peak 10, net 0
+    assert windows.result == [(0, 0), (80, 30), (0, -30), (10, 0)]
+
+
+def chain(width: int = 512, depth: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())])
+
+
+def square_mean(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+@gpu
+def test_track_memory_on_cuda_counts_the_allocator() -> None:
+    torch.cuda.synchronize()
+    with autockpt.track_memory("cuda") as mem:
+        x = torch.empty(4 * MiB // 4, device="cuda")
+        y = x * 2
+        del x, y
+    assert mem.peak_bytes == 8 * MiB and mem.allocated_bytes == 0
+    assert mem.tensor_peak_bytes == 8 * MiB
+
+
+@gpu
+def test_cuda_profile_bytes_equal_the_cpu_ones() -> None:
+    x = torch.randn(1024, 512)
+    cpu = autockpt.profile(chain(), (x,))
+    cuda = autockpt.profile(chain().cuda(), (x.cuda(),))
+    for a, b in zip(cpu.costs, cuda.costs):
+        assert (a.in_bytes, a.out_bytes, a.kept_bytes, a.keeps_input, a.keeps_output) == (
+            b.in_bytes, b.out_bytes, b.kept_bytes, b.keeps_input, b.keeps_output,
+        )  # fmt: skip
+        assert b.fwd_ms > 0 and b.bwd_ms > 0  # CUDA events, not host time
+
+
+@gpu
+@pytest.mark.parametrize("fraction", [1.0, 0.6, 0.4])
+def test_cuda_budget_prediction_matches_the_allocator(fraction: float) -> None:
+    x = torch.randn(4096, 512, device="cuda")
+    model = chain(depth=16).cuda()
+    plan = autockpt.make_plan(model, budget=fraction, example_inputs=(x,), loss_fn=square_mean)
+    autockpt.auto_checkpoint(model, plan)
+    from autockpt.verification import measure_step
+
+    measured = measure_step(model, (x,), None, square_mean)
+    assert plan.predicted_peak_bytes is not None and plan.budget_bytes is not None
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.10 * measured, (measured, plan.predicted_peak_bytes)
+    assert measured <= 1.05 * plan.budget_bytes
+
+
+@gpu
+def test_cuda_gradients_and_dropout_masks_are_exact() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), nn.Dropout(0.2), nn.GELU())])
+    model = model.cuda().double()
+    report = autockpt.verify(model, (torch.randn(64, 256, device="cuda", dtype=torch.float64),), segments=3)
+    assert report.ok, str(report)
+
+
+@gpu
+def test_nin_on_cuda_trains_like_the_unwrapped_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    x = torch.randn(32, 3, 32, 32, device="cuda")
+    model = autockpt.models.NiN(10).cuda()
+    report = autockpt.verify(model, (x,), segments="sqrt", atol=1e-5, rtol=1e-4)
+    assert report.ok, str(report)
+    assert report.peak_bytes_checkpointed < report.peak_bytes_unwrapped
