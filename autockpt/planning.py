@@ -73,7 +73,7 @@ def prepare(
     x = _entry_value(walked, args, kwargs, where)
     static = _static_bytes(model, x)
     prof = _cached_profile(model, chain, x, static)
-    loss_bytes = _cached_loss_bytes(model, chain, x, (args, kwargs, loss_fn), where)
+    loss_bytes = _cached_loss_bytes(model, chain, x, args, kwargs, loss_fn, where)
     unwrapped = (
         static
         + predict((Segment(0, len(chain.stages), False),), prof.costs, loss_bytes=loss_bytes).peak_bytes
@@ -139,12 +139,13 @@ def _cached_loss_bytes(
     model: nn.Module,
     chain: Chain,
     x: Any,
-    step: tuple[tuple[Any, ...], dict[str, Any], LossFn | None],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: LossFn | None,
     where: str,
 ) -> int:
     """The loss's bytes (:attr:`Profile.loss_bytes`) for this input signature and ``loss_fn``,
     measured once per loss function object (a new lambda is measured again: one forward)."""
-    args, kwargs, loss_fn = step
     key = (_profile_key(model, chain, x), loss_fn)
     per_model = _LOSSES.setdefault(model, {})
     try:

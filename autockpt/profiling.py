@@ -310,11 +310,16 @@ def _times(
     return statistics.median(fwd), statistics.median(bwd)
 
 
-def profile_chain(model: nn.Module, chain: Chain, x: Any, static_bytes: int, *, repeats: int = 3) -> Profile:
-    """Measure every stage of ``chain`` starting from the chain's input value ``x``."""
-    device = next(
+def _device_of(model: nn.Module, x: Any) -> torch.device:
+    """Where a step on input ``x`` runs: the inputs' device, else the parameters'."""
+    return next(
         (t.device for t in _tensors(x)), next((p.device for p in model.parameters()), torch.device("cpu"))
     )
+
+
+def profile_chain(model: nn.Module, chain: Chain, x: Any, static_bytes: int, *, repeats: int = 3) -> Profile:
+    """Measure every stage of ``chain`` starting from the chain's input value ``x``."""
+    device = _device_of(model, x)
     grads = [(p, p.grad) for p in model.parameters()]
     costs = []
     try:
@@ -337,10 +342,7 @@ def measure_loss(
     The output comes from one forward under ``no_grad`` (buffers and RNG untouched) and is
     made a leaf, so only the loss's own tensors and the output's gradient are counted.
     """
-    device = next(
-        (t.device for t in _tensors([list(args), kwargs])),
-        next((p.device for p in model.parameters()), torch.device("cpu")),
-    )
+    device = _device_of(model, [list(args), kwargs])
     with dry_run_state(model, [list(args), kwargs]), torch.no_grad():
         out = model(*args, **kwargs)
     out = tree_map_only(torch.Tensor, _grad_leaf, out)

@@ -133,7 +133,7 @@ class _Model:
     def loss(self, kept: bool) -> int:
         """What the loss adds to everything held: the output, unless the last plain stage
         holds it already, and the loss's working bytes."""
-        return (self.c[-1].out_bytes * (not kept) if self.c else 0) + self.loss_bytes
+        return self.out * (not kept) + self.loss_bytes
 
     def held(self, i: int, kept: bool) -> int:
         """What plain stage ``i`` holds until its backward."""
