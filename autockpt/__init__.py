@@ -8,14 +8,15 @@ Examples:
 """
 
 from autockpt import models
-from autockpt.apply import auto_checkpoint, make_plan, restore
+from autockpt.api import auto_checkpoint, make_plan, restore
 from autockpt.compile_check import GraphBreak, find_graph_breaks
 from autockpt.errors import AutockptError, MutationError, PlanInfeasibleError
-from autockpt.memory import MemoryStats, track_memory
+from autockpt.measure.memory import MemoryStats, track_memory
+from autockpt.measure.model_profile import profile
+from autockpt.measure.profiling import Profile
 from autockpt.plan import Plan, Segment
 from autockpt.planners import PlanRequest, available_planners, register_planner
-from autockpt.profiling import Profile, profile
-from autockpt.runtime import is_recomputing
+from autockpt.sandbox import is_recomputing
 from autockpt.verification import VerifyReport, verify
 
 __version__ = "0.1.0"

@@ -6,8 +6,9 @@
     autockpt plan mypkg.nets:gpt --input 8x1024:int64 --device meta --budget 40GiB --loss cross-entropy
 
 Tables for people by default, ``--json`` for machines. Exit codes: 0 success, 1 when
-``verify`` finds a mismatch (or a budget is infeasible), 2 for a bad command line (unknown
-module, bad shape string) as argparse does.
+``verify`` finds a mismatch, a budget is infeasible or anything else goes wrong (printed as
+one line; ``--debug`` shows the traceback), 2 for a bad command line (unknown module, bad
+shape string) as argparse does.
 """
 
 from __future__ import annotations
@@ -135,13 +136,25 @@ def _segments(text: str) -> int | str:
 
 
 def budget_arg(text: str | None) -> int | float | str | None:
-    """A ``--budget`` string as ``budget=`` takes it: an int of bytes, a fraction, or text with units."""
+    """A ``--budget`` string as ``budget=`` takes it: an int of bytes, a fraction, or text with units.
+
+    Raises:
+        CommandLineError: the text is not a budget (checked here, so a typo is a usage error).
+    """
+    from autockpt.units import parse_budget
+
     if text is None:
         return None
+    value: int | float | str
     try:
-        return int(text) if text.isdigit() else float(text)
+        value = int(text) if text.isdigit() else float(text)
     except ValueError:
-        return text
+        value = text
+    try:
+        parse_budget(value, unwrapped_bytes=2**40, where="--budget")
+    except (TypeError, ValueError) as err:
+        raise CommandLineError(str(err)) from None
+    return value
 
 
 def cross_entropy_loss(out: Any) -> torch.Tensor:
@@ -182,9 +195,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import autockpt
 
+    budget = budget_arg(args.budget)
     model, inputs = _build(args)
     plan = autockpt.make_plan(
-        model, _segments(args.segments), budget=budget_arg(args.budget), example_inputs=inputs,
+        model, _segments(args.segments), budget=budget, example_inputs=inputs,
         mode=args.mode, loss_fn=_loss_for_plan(args),
     )  # fmt: skip
     print(plan.to_json() if args.json else plan)
@@ -196,9 +210,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     if torch.device(args.device).type == "meta":
         raise CommandLineError("verify runs a training step, which the meta device cannot; use cpu or cuda.")
+    budget = budget_arg(args.budget)
     model, inputs = _build(args)
     model = autockpt.auto_checkpoint(
-        model, _segments(args.segments), budget=budget_arg(args.budget), example_inputs=inputs,
+        model, _segments(args.segments), budget=budget, example_inputs=inputs,
         mode=args.mode, loss_fn=_loss_for_plan(args),
     )  # fmt: skip
     report = autockpt.verify(model, inputs, loss_fn=_LOSSES[args.loss], atol=args.atol, rtol=args.rtol)
@@ -235,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         "outputs) or 'cross-entropy' (of the first output, logits over its last dimension)",
     )  # fmt: skip
     common.add_argument("--json", action="store_true", help="machine-readable output")
+    common.add_argument("--debug", action="store_true", help="show the traceback of an error")
     planning = argparse.ArgumentParser(add_help=False)
     planning.add_argument("--segments", default="sqrt", help="'sqrt' (default), 'none' or a number")
     planning.add_argument("--budget", default=None, help="bytes, '2GiB', or a fraction such as 0.5")
@@ -251,20 +267,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
-    from autockpt.errors import PlanInfeasibleError
+    """Run the command line; returns the exit code.
 
+    Only a bad command line exits with 2 (argparse's usage error). Anything raised while
+    building, planning or running the model is printed as one ``autockpt: error:`` line and
+    exits with 1; ``--debug`` lets the traceback through instead.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "budget", None) is not None and args.segments != "sqrt":
         parser.error("pass --segments or --budget, not both")
     try:
         code: int = args.run(args)
-    except PlanInfeasibleError as err:
-        print(f"autockpt: {err}", file=sys.stderr)
-        return 1
-    except (CommandLineError, ValueError, TypeError) as err:  # bad values reach us as these
+    except CommandLineError as err:
         parser.error(str(err))
+    except Exception as err:
+        if args.debug:
+            raise
+        print(f"autockpt: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
     return code
 
 

@@ -1,7 +1,7 @@
 """Which checkpointed segments torch.compile cannot capture whole.
 
 Under ``torch.compile`` each checkpointed segment becomes one higher-order op whose body
-dynamo must trace as a single graph; see NOTE [Under torch.compile] in ``runtime.py``. A
+dynamo must trace as a single graph; see NOTE [Under torch.compile] in ``execution/runtime.py``. A
 graph break inside a body (data-dependent control flow, ``.item()``, an unsupported
 call) makes dynamo give up on the op, and the segment may then run without being
 checkpointed. Dynamo itself does not count these as graph breaks, so
@@ -21,9 +21,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from autockpt.errors import AutockptError
-from autockpt.forward import installed
-from autockpt.planning import _as_args
-from autockpt.runtime import _compiled_body, _run_body, dry_run_state
+from autockpt.execution.forward import installed
+from autockpt.execution.runtime import compiled_body, run_body
+from autockpt.sandbox import dry_run_state
+from autockpt.tensors import as_args
 
 __all__ = ["GraphBreak", "find_graph_breaks"]
 
@@ -75,21 +76,20 @@ def find_graph_breaks(
             "find_graph_breaks: the model is checkpointed block by block (fx could not trace it), "
             "so its segments cannot be traced alone. Use torch._dynamo.explain(model) instead."
         )
-    args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
-    program = fwd.walked.program
-    x = program.bind(args, kwargs) if program is not None else args[0]
+    args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
+    x = fwd.walked.entry_value(args, kwargs, where="find_graph_breaks")
     breaks: list[GraphBreak] = []
     with dry_run_state(fwd.model, x), torch.no_grad():
         for i, rt in enumerate(fwd.runtime):
             if rt.segment.checkpoint:
                 leaves, spec = tree_flatten(x)
-                body = functools.partial(_compiled_body, rt, spec)
+                body = functools.partial(compiled_body, rt, spec)
                 try:
                     torch.compile(body, fullgraph=True, backend="eager")(*leaves)
                 except Exception as err:
                     reason = _reason(str(err))
                     breaks.append(GraphBreak(i, tuple(s.name for s in rt.stages), reason))
-            x = _run_body(rt, x)
+            x = run_body(rt, x)
     return breaks
 
 

@@ -17,12 +17,28 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Plan", "Segment"]
+from autockpt.units import format_bytes
+
+__all__ = ["Plan", "Segment", "set_applier", "validate_segments"]
 
 _JSON_VERSION = 1
+
+# NOTE [Plan.apply without an import cycle]
+#     A Plan is torch-free data, produced by planners and read by the execution layer, so this
+#     module must not import the layer that applies it. ``autockpt.api`` hands its
+#     ``apply_plan`` over with :func:`set_applier` when the package is imported; ``Plan.apply``
+#     is a convenience spelling of ``auto_checkpoint(model, plan)``.
+_applier: Callable[[Any, Plan], Any] | None = None
+
+
+def set_applier(fn: Callable[[Any, Plan], Any]) -> None:
+    """Register the function behind :meth:`Plan.apply` (``autockpt.api.apply_plan``)."""
+    global _applier
+    _applier = fn
 
 
 @dataclass(frozen=True)
@@ -154,9 +170,9 @@ class Plan:
         Raises:
             AutockptError: the model's stages differ from the plan's.
         """
-        from autockpt.apply import apply_plan
-
-        return apply_plan(model, self)
+        if _applier is None:  # autockpt/__init__ imports autockpt.api, which sets it
+            raise RuntimeError("Plan.apply: autockpt.api is not loaded; import autockpt.")
+        return _applier(model, self)
 
     def to_json(self) -> str:
         """The plan as a JSON string; :meth:`from_json` reads it back."""
@@ -239,13 +255,3 @@ def _rows(plan: Plan, seg: Segment, label: str, indent: str) -> list[tuple[str, 
     for j, child in enumerate(seg.children):
         rows.extend(_rows(plan, child, f"{label}.{j}", indent + "  "))
     return rows
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes in binary units, e.g. ``"1.50 MiB"``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")

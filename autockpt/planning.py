@@ -1,39 +1,51 @@
-"""Turning a walked model into a :class:`Plan`: the dry run, profiling, planner choice.
+"""Planning: the only place a :class:`~autockpt.plan.Plan` is built.
 
-Pure orchestration between the walkers (``walk.py``, ``graph.py``, ``blocks.py``), the
-planners (``planners/``) and the profiler (``profiling.py``); nothing here touches a
-model's forward.
+:func:`prepare` runs the pipeline up to a plan: walk the model, dry-run it, profile it
+when a budget asks for costs, and call :func:`build_plan`. :func:`build_plan` turns a chain
+and a ``segments=`` argument (a count, ``"sqrt"``, a registered name, a callable, a Plan)
+or a budget into a Plan, applying every rule on the way, for every walker alike: the
+stages a dry run fused, segment 0 kept plain when the first module writes into the model's
+input, the block walker's one-block-per-checkpoint constraint, warnings for plans that
+checkpoint nothing. Nothing here touches a model's forward.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import warnings
-import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from autockpt.budget_spec import parse_budget
+from autockpt.chain import Chain, DryRun, Unit, build_chain
 from autockpt.errors import AutockptError, PlanInfeasibleError
-from autockpt.losses import LossFn
-from autockpt.plan import Plan, Segment, format_bytes
-from autockpt.planners import PlanRequest, get_planner, run_planner
+from autockpt.measure.dry_run import dry_run
+from autockpt.measure.losses import LossFn
+from autockpt.measure.model_profile import model_profile
+from autockpt.measure.profiling import Profile
+from autockpt.plan import Plan, Segment
+from autockpt.planners import Planner, PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import sqrt_segment_count, uniform_plan
 from autockpt.planners.budget import predict
-from autockpt.planners.registry import Planner
-from autockpt.profiling import Profile, measure_loss, profile_chain
-from autockpt.runtime import dry_run_state
-from autockpt.walk import Chain, DryRun, Unit, build_chain, probe_units
+from autockpt.tensors import as_args
+from autockpt.units import format_bytes, parse_budget
 from autockpt.walkers import Walked, walk
 
-__all__ = ["SegmentsSpec", "describe_peak", "plan_chain", "prepare"]
+__all__ = ["BudgetCosts", "SegmentsSpec", "build_plan", "check_spec", "describe_peak", "prepare"]
 
 SegmentsSpec = int | str | Planner | Plan
+
+
+@dataclass(frozen=True)
+class BudgetCosts:
+    """What a budget plan is made from: the measured profile and the budget in bytes."""
+
+    profile: Profile
+    budget_bytes: int
+    unwrapped_bytes: int
+    loss_described: str
 
 
 def prepare(
@@ -46,8 +58,46 @@ def prepare(
     *,
     where: str,
     loss_fn: LossFn | None = None,
+    previous: tuple[tuple[Unit, ...], DryRun | None] | None = None,
 ) -> tuple[Walked, DryRun | None, Chain, Plan]:
-    """Walk, dry-run, profile when a budget asks for it, and plan."""
+    """Walk, dry-run, profile when a budget asks for it, and plan.
+
+    ``previous`` is the units and dry run of the plan installed now, reused when the walk
+    finds the same units and no example inputs are given.
+    """
+    _check_arguments(segments, budget, example_inputs, example_kwargs, loss_fn, where)
+    walked = walk(model, mode, where=where)
+    args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
+    has_inputs = example_inputs is not None or bool(example_kwargs)
+    dry = dry_run(model, walked, args, kwargs, where=where) if has_inputs else _reuse(walked, previous)
+    chain = build_chain(walked.walker, walked.units, dry)
+    costs = None
+    if budget is not None:
+        prof = model_profile(model, walked, chain, args, kwargs, loss_fn=loss_fn, where=where)
+        assert prof.loss_bytes is not None
+        unwrapped = prof.static_bytes + predict(
+            (Segment(0, len(prof.costs), False),), prof.costs, loss_bytes=prof.loss_bytes
+        ).peak_bytes
+        costs = BudgetCosts(
+            profile=prof,
+            budget_bytes=parse_budget(budget, unwrapped_bytes=unwrapped, where=where),
+            unwrapped_bytes=unwrapped,
+            loss_described="loss_fn" if loss_fn is not None else "default, a weighted sum of the outputs",
+        )
+    plan = build_plan(chain, "budget" if budget is not None else segments, where=where,
+                      notes=walked.notes, budget=costs)  # fmt: skip
+    return walked, dry, chain, plan
+
+
+def _check_arguments(
+    segments: SegmentsSpec,
+    budget: object,
+    example_inputs: object,
+    example_kwargs: dict[str, Any] | None,
+    loss_fn: object,
+    where: str,
+) -> None:
+    check_spec(segments, where)
     if budget is not None and segments not in ("sqrt", "budget"):
         raise ValueError(f"{where}: got both segments={segments!r} and budget={budget!r}. Pass one of them.")
     if loss_fn is not None and budget is None:
@@ -64,148 +114,41 @@ def prepare(
             f"{where}: budget={budget!r} needs example inputs to measure the model. Pass "
             f"example_inputs=(x,) with a batch of the size you train with."
         )
-    walked = walk(model, mode, where=where)
-    probe = _probe(model, walked, example_inputs, example_kwargs, where)
-    chain = build_chain(walked.walker, walked.units, probe)
-    if budget is None:
-        return walked, probe, chain, plan_chain(chain, segments, where=where, notes=walked.notes)
-    args, kwargs = _as_args(example_inputs or ()), dict(example_kwargs or {})
-    x = _entry_value(walked, args, kwargs, where)
-    static = _static_bytes(model, x)
-    prof = _cached_profile(model, chain, x, static)
-    loss_bytes = _cached_loss_bytes(model, chain, x, args, kwargs, loss_fn, where)
-    unwrapped = (
-        static
-        + predict((Segment(0, len(chain.stages), False),), prof.costs, loss_bytes=loss_bytes).peak_bytes
+
+
+def check_spec(spec: object, where: str) -> None:
+    """Raise ``TypeError`` unless ``spec`` is a valid ``segments=`` argument."""
+    if isinstance(spec, bool) or not (isinstance(spec, (int, str, Plan)) or callable(spec)):
+        raise TypeError(
+            f"{where}: segments must be an int number of segments, a strategy name such as "
+            f"'sqrt', a callable planner or a Plan; got {type(spec).__name__} {spec!r}."
+        )
+
+
+def _reuse(walked: Walked, previous: tuple[tuple[Unit, ...], DryRun | None] | None) -> DryRun | None:
+    if previous is None:
+        return None
+    units, dry = previous
+    same = len(units) == len(walked.units) and all(
+        a.name == b.name and a.fn is b.fn for a, b in zip(units, walked.units)
     )
-    budget_bytes = parse_budget(budget, unwrapped_bytes=unwrapped, where=where)
-    request = PlanRequest(
-        stage_names=chain.names,
-        input_bytes=chain.input_bytes,
-        saved_bytes=chain.saved_bytes,
-        costs=prof.costs,
-        budget_bytes=budget_bytes,
-        static_bytes=static,
-        loss_bytes=loss_bytes,
-    )
-    try:
-        segs = run_planner(get_planner("budget", where=where), request, where=where)
-    except PlanInfeasibleError as err:
-        raise PlanInfeasibleError(
-            str(err).replace("budget planner:", f"{where}:", 1), min_budget_bytes=err.min_budget_bytes
-        ) from None
-    prediction = predict(segs, prof.costs, loss_bytes=loss_bytes)
-    plan = Plan(
-        strategy=f"budget={format_bytes(budget_bytes)}",
-        budget_bytes=budget_bytes,
-        walker=chain.walker,
-        stage_names=chain.names,
-        stage_kinds=chain.kinds,
-        segments=segs,
-        predicted_peak_bytes=static + prediction.peak_bytes,
-        predicted_recompute_ms=prediction.recompute_ms,
-        notes=(
-            *walked.notes,
-            *_fusion_notes(chain),
-            f"unwrapped step predicted at {format_bytes(unwrapped)}",
-            f"the loss ({'loss_fn' if loss_fn is not None else 'default, a weighted sum of the outputs'}) "
-            f"needs {format_bytes(loss_bytes)} above the output",
-            f"the predicted peak falls in {describe_peak(prediction.peak_at, chain.names)}",
-        ),
-    )
-    return walked, probe, chain, plan
+    return dry if same else None
 
 
-_PROFILES: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, Profile]] = weakref.WeakKeyDictionary()
-_LOSSES: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, int]] = weakref.WeakKeyDictionary()
-
-
-def _cached_profile(model: nn.Module, chain: Chain, x: Any, static: int) -> Profile:
-    """The model's profile for this chain and input signature, measured once.
-
-    Bytes do not depend on parameter values, so ``make_plan(model, budget=...)`` followed by
-    ``auto_checkpoint(model, budget=...)`` (or a retry at another budget) profiles once. The
-    key holds everything bytes depend on: the stages, the input's and the parameters'
-    shapes, dtypes, strides and devices, and train/eval mode.
-    """
-    per_model = _PROFILES.setdefault(model, {})
-    key = _profile_key(model, chain, x)
-    if key not in per_model:
-        per_model[key] = profile_chain(model, chain, x, static)
-    return per_model[key]
-
-
-def _cached_loss_bytes(
-    model: nn.Module,
+def build_plan(
     chain: Chain,
-    x: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    loss_fn: LossFn | None,
+    spec: SegmentsSpec,
+    *,
     where: str,
-) -> int:
-    """The loss's bytes (:attr:`Profile.loss_bytes`) for this input signature and ``loss_fn``,
-    measured once per loss function object (a new lambda is measured again: one forward)."""
-    key = (_profile_key(model, chain, x), loss_fn)
-    per_model = _LOSSES.setdefault(model, {})
-    try:
-        return per_model[key]
-    except TypeError:  # an unhashable loss_fn: measure every time
-        return measure_loss(model, args, kwargs, loss_fn, where=where)
-    except KeyError:
-        per_model[key] = measure_loss(model, args, kwargs, loss_fn, where=where)
-        return per_model[key]
+    notes: Sequence[str] = (),
+    budget: BudgetCosts | None = None,
+) -> Plan:
+    """Turn a chain and a ``segments`` argument, or measured costs and a budget, into a Plan.
 
-
-def remember_profile(
-    model: nn.Module, chain: Chain, x: Any, profile: Profile, loss_fn: LossFn | None
-) -> None:
-    """Keep a profile measured by :func:`autockpt.profile` for later plans of ``model``."""
-    key = _profile_key(model, chain, x)
-    _PROFILES.setdefault(model, {})[key] = dataclasses.replace(profile, loss_bytes=None)
-    if profile.loss_bytes is not None:
-        with contextlib.suppress(TypeError):
-            _LOSSES.setdefault(model, {})[(key, loss_fn)] = profile.loss_bytes
-
-
-def _profile_key(model: nn.Module, chain: Chain, x: Any) -> Hashable:
-    return (chain.walker, chain.names, _signature(x), _signature(list(model.parameters())), model.training)
-
-
-def _signature(tree: Any) -> tuple[Hashable, ...]:
-    return tuple(
-        (tuple(v.shape), v.dtype, str(v.device), v.stride()) if isinstance(v, torch.Tensor) else repr(v)
-        for v in tree_leaves(tree)
-    )
-
-
-def describe_peak(at: tuple[int, int, str], names: Sequence[str]) -> str:
-    """Words for :attr:`Prediction.peak_at`, e.g. "the backward of stage '0+1'"."""
-    start, stop, phase = at
-    if phase == "loss":
-        return "the loss, between forward and backward"
-    if phase == "recompute":
-        span = repr(names[start]) if stop == start + 1 else f"{names[start]!r}..{names[stop - 1]!r}"
-        return f"the recompute and backward of the checkpointed segment {span}"
-    return f"the {phase} of stage {names[start]!r}"
-
-
-def _static_bytes(model: nn.Module, x: Any) -> int:
-    """Parameters, buffers and inputs: what a training step needs before it starts."""
-    tensors = [
-        *model.parameters(),
-        *model.buffers(),
-        *(t for t in tree_leaves(x) if isinstance(t, torch.Tensor)),
-    ]
-    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def plan_chain(chain: Chain, spec: SegmentsSpec, *, where: str, notes: Sequence[str] = ()) -> Plan:
-    """Turn a chain and a ``segments`` argument into a :class:`Plan`.
-
-    Selection order: a Plan passes through (its stages must match); an int is a segment
-    count; a string names a registered planner; any other callable is a custom planner.
-    For the block walker the segments are single blocks (see :func:`_block_segments`).
+    Selection order: a Plan passes through (its stages must match); a budget runs the
+    ``"budget"`` planner on the profile; an int is a segment count; a string names a
+    registered planner; any other callable is a custom planner. Then the chain's rules apply
+    (see the module docstring).
     """
     n = len(chain.stages)
     if n == 0:
@@ -221,49 +164,103 @@ def plan_chain(chain: Chain, spec: SegmentsSpec, *, where: str, notes: Sequence[
                 f"example_inputs=...)."
             )
         return spec
-    request = PlanRequest(
-        stage_names=chain.names, input_bytes=chain.input_bytes, saved_bytes=chain.saved_bytes
-    )
+    notes = [*notes, *_fusion_notes(chain)]
+    extra: dict[str, Any] = {}
+    if budget is not None:
+        segments, extra = _budget_segments(chain, budget, where, notes)
+        strategy = f"budget={format_bytes(budget.budget_bytes)}"
+    else:
+        segments, strategy = _spec_segments(chain, spec, where)
+        if chain.walker == "blocks":
+            segments = _per_block(n, segments)
+    if chain.first_unit_unsafe and segments[0].checkpoint:
+        segments = (Segment(segments[0].start, segments[0].stop, False), *segments[1:])
+        notes.append("the first stage modifies the model input in place, so segment 0 is not checkpointed")
+    plan = Plan(strategy=strategy, walker=chain.walker, stage_names=chain.names, stage_kinds=chain.kinds,
+                segments=tuple(segments), notes=tuple(notes), **extra)  # fmt: skip
+    if plan.checkpointed_segments == 0 and strategy != "none" and budget is None:
+        why = "the model has a single stage" if n == 1 else f"segments={spec!r} gives one segment"
+        msg = (
+            f"{where}: {why}, which is never recomputed, so checkpointing cannot lower the peak. "
+            f"Use segments='sqrt' or an int >= 2 on a model with more stages."
+        )
+        warnings.warn(msg, UserWarning, stacklevel=4)
+        plan = dataclasses.replace(plan, notes=(*plan.notes, msg))
+    return plan
+
+
+def _spec_segments(chain: Chain, spec: SegmentsSpec, where: str) -> tuple[tuple[Segment, ...], str]:
+    n = len(chain.stages)
+    request = PlanRequest(stage_names=chain.names, input_bytes=chain.input_bytes, saved_bytes=chain.saved_bytes)
     if isinstance(spec, int):
         if not 1 <= spec <= n:
             raise ValueError(
                 f"{where}: segments={spec} but the model has {n} stages. "
                 f"Use 1 <= segments <= {n}, or segments='sqrt'."
             )
-        segments, strategy = uniform_plan(n, spec), str(spec)
         if chain.walker == "blocks":
-            segments = _spread(n, spec)
-    elif isinstance(spec, str) and chain.walker == "blocks" and spec.strip().lower() == "sqrt":
-        segments, strategy = _spread(n, sqrt_segment_count(n)), "sqrt"
-    elif isinstance(spec, str):
-        segments = run_planner(get_planner(spec, where=where), request, where=where)
-        strategy = spec.strip().lower()
-    else:
-        segments = run_planner(spec, request, where=where)
-        strategy = getattr(spec, "__name__", type(spec).__name__)
-    if chain.walker == "blocks":
-        segments = _per_block(n, segments)
-    notes = [*notes, *_fusion_notes(chain)]
-    if chain.first_unit_unsafe and segments[0].checkpoint:
-        segments = (Segment(segments[0].start, segments[0].stop, False), *segments[1:])
-        notes.append("the first stage modifies the model input in place, so segment 0 is not checkpointed")
-    plan = Plan(
-        strategy=strategy,
-        walker=chain.walker,
-        stage_names=chain.names,
-        stage_kinds=chain.kinds,
-        segments=tuple(segments),
-        notes=tuple(notes),
+            return _spread(n, spec), str(spec)
+        return uniform_plan(n, spec), str(spec)
+    if isinstance(spec, str):
+        if chain.walker == "blocks" and spec.strip().lower() == "sqrt":
+            return _spread(n, sqrt_segment_count(n)), "sqrt"
+        return run_planner(get_planner(spec, where=where), request, where=where), spec.strip().lower()
+    return run_planner(spec, request, where=where), getattr(spec, "__name__", type(spec).__name__)
+
+
+def _budget_segments(
+    chain: Chain, budget: BudgetCosts, where: str, notes: list[str]
+) -> tuple[tuple[Segment, ...], dict[str, Any]]:
+    """Segments of the least-recompute plan under the budget, in the chain's stages."""
+    prof = budget.profile
+    request = PlanRequest(
+        stage_names=prof.stage_names,
+        costs=prof.costs,
+        budget_bytes=budget.budget_bytes,
+        static_bytes=prof.static_bytes,
+        loss_bytes=prof.loss_bytes,
+        checkpoint_spans=prof.checkpoint_spans,
+        input_bytes=chain.input_bytes if prof.stage_of is None else None,
+        saved_bytes=chain.saved_bytes if prof.stage_of is None else None,
     )
-    if plan.checkpointed_segments == 0 and strategy != "none":
-        why = "the model has a single stage" if n == 1 else f"segments={spec!r} gives one segment"
-        msg = (
-            f"{where}: {why}, which is never recomputed, so checkpointing cannot lower the peak. "
-            f"Use segments='sqrt' or an int >= 2 on a model with more stages."
-        )
-        warnings.warn(msg, UserWarning, stacklevel=3)
-        plan = Plan(**{**plan.__dict__, "notes": (*plan.notes, msg)})
-    return plan
+    try:
+        segs = run_planner(get_planner("budget", where=where), request, where=where)
+    except PlanInfeasibleError as err:
+        raise PlanInfeasibleError(
+            str(err).replace("budget planner:", f"{where}:", 1), min_budget_bytes=err.min_budget_bytes
+        ) from None
+    prediction = predict(segs, prof.costs, loss_bytes=prof.loss_bytes)
+    notes.extend(
+        [
+            f"unwrapped step predicted at {format_bytes(budget.unwrapped_bytes)}",
+            f"the loss ({budget.loss_described}) needs {format_bytes(prof.loss_bytes or 0)} above the output",
+            f"the predicted peak falls in {describe_peak(prediction.peak_at, prof.stage_names)}",
+        ]
+    )
+    if prof.stage_of is not None:  # profiled stages -> the chain's blocks
+        flags = [False] * len(chain.stages)
+        for seg in segs:
+            for i in range(seg.start, seg.stop):
+                if seg.checkpoint and prof.stage_of[i] is not None:
+                    flags[prof.stage_of[i]] = True  # type: ignore[index]
+        segs = tuple(Segment(i, i + 1, f) for i, f in enumerate(flags))
+    extra = {
+        "budget_bytes": budget.budget_bytes,
+        "predicted_peak_bytes": prof.static_bytes + prediction.peak_bytes,
+        "predicted_recompute_ms": prediction.recompute_ms,
+    }
+    return segs, extra
+
+
+def describe_peak(at: tuple[int, int, str], names: Sequence[str]) -> str:
+    """Words for :attr:`Prediction.peak_at`, e.g. "the backward of stage '0+1'"."""
+    start, stop, phase = at
+    if phase == "loss":
+        return "the loss, between forward and backward"
+    if phase == "recompute":
+        span = repr(names[start]) if stop == start + 1 else f"{names[start]!r}..{names[stop - 1]!r}"
+        return f"the recompute and backward of the checkpointed segment {span}"
+    return f"the {phase} of stage {names[start]!r}"
 
 
 def _spread(n: int, k: int) -> tuple[Segment, ...]:
@@ -287,57 +284,3 @@ def _fusion_notes(chain: Chain) -> list[str]:
         return []
     return [f"fused with their predecessor (in-place input): {', '.join(fused)}"]
 
-
-def _check_spec(spec: object, where: str) -> None:
-    if isinstance(spec, bool) or not (isinstance(spec, (int, str, Plan)) or callable(spec)):
-        raise TypeError(
-            f"{where}: segments must be an int number of segments, a strategy name such as "
-            f"'sqrt', a callable planner or a Plan; got {type(spec).__name__} {spec!r}."
-        )
-
-
-def _probe(
-    model: nn.Module,
-    walked: Walked,
-    example_inputs: Sequence[Any] | None,
-    example_kwargs: dict[str, Any] | None,
-    where: str,
-) -> DryRun | None:
-    """The dry run's findings: run now on ``example_inputs``, or reused; None if none ran yet.
-
-    The block walker has no dry run: each block is checkpointed alone and keeps its inputs.
-    """
-    if walked.walker == "blocks":
-        return None
-    if example_inputs is not None or example_kwargs:
-        x = _entry_value(walked, _as_args(example_inputs or ()), dict(example_kwargs or {}), where)
-        with dry_run_state(model, x):
-            return probe_units(walked.units, x)
-    from autockpt.forward import installed
-
-    fwd = installed(model)
-    if fwd is not None and fwd.probe is not None and _same_units(fwd.units, walked.units):
-        return fwd.probe
-    return None
-
-
-def _entry_value(walked: Walked, args: tuple[Any, ...], kwargs: dict[str, Any], where: str) -> Any:
-    """What the chain's first unit receives: the input, or for a graph the dict of inputs."""
-    if walked.program is not None:
-        return walked.program.bind(args, kwargs)
-    if len(args) != 1 or kwargs:
-        raise TypeError(
-            f"{where}: an nn.Sequential takes one input, got {len(args)} example "
-            f"inputs. Pass example_inputs=(x,)."
-        )
-    return args[0]
-
-
-def _as_args(example_inputs: Sequence[Any] | Any) -> tuple[Any, ...]:
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    return tuple(example_inputs)
-
-
-def _same_units(a: Sequence[Unit], b: Sequence[Unit]) -> bool:
-    return len(a) == len(b) and all(x.name == y.name and x.fn is y.fn for x, y in zip(a, b))

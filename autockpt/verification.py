@@ -8,23 +8,24 @@ is left exactly as it was: forward, buffers, ``.grad`` and RNG state.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from autockpt.apply import auto_checkpoint, restore
-from autockpt.forward import installed as _installed
-from autockpt.losses import LossFn, step_loss
-from autockpt.memory import MemoryStats, track_memory
-from autockpt.plan import Plan, format_bytes
-from autockpt.planning import SegmentsSpec, _as_args
-from autockpt.runtime import buffer_slots, install_buffer_clones, reinstall_buffers
+from autockpt.api import auto_checkpoint
+from autockpt.errors import AutockptError
+from autockpt.execution.forward import installed, uninstall
+from autockpt.measure.losses import LossFn
+from autockpt.measure.step import StepResult, run_step
+from autockpt.plan import Plan
+from autockpt.planning import SegmentsSpec
+from autockpt.sandbox import preserved
+from autockpt.tensors import as_args
+from autockpt.units import format_bytes
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -96,12 +97,6 @@ class VerifyReport:
         )
 
 
-@dataclass
-class _Step:
-    tensors: dict[str, torch.Tensor | None]
-    memory: MemoryStats
-
-
 def verify(
     model: nn.Module,
     example_inputs: Sequence[Any] | torch.Tensor,
@@ -137,109 +132,23 @@ def verify(
         >>> autockpt.verify(model, (torch.randn(2, 4, dtype=torch.float64),)).ok
         True
     """
-    args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
-    installed = _installed(model)
-    spec: SegmentsSpec = segments if segments is not None else (installed.plan if installed else "sqrt")
-    device = _device_of(model, args)
-    with _preserved(model) as fresh:
-        _unwrap(model)
+    args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
+    current = installed(model)
+    spec: SegmentsSpec = segments if segments is not None else (current.plan if current else "sqrt")
+    with preserved(model, [list(args), kwargs]) as fresh:
+        uninstall(model)
         fresh()
-        _step(model, args, device, kwargs, loss_fn)  # warm-up: lazy initialisation stays out of the figures
+        run_step(model, args, kwargs, loss_fn)  # warm-up: lazy initialisation stays out of the figures
         fresh()
-        reference = _step(model, args, device, kwargs, loss_fn)
+        reference = run_step(model, args, kwargs, loss_fn)
         auto_checkpoint(model, spec, example_inputs=args, example_kwargs=kwargs)
-        installed_now = _installed(model)
-        assert installed_now is not None
-        plan = installed_now.plan
+        checked = installed(model)
+        if checked is None:  # auto_checkpoint always installs a plan
+            raise AutockptError("verify: auto_checkpoint installed no plan; please report this.")
+        plan = checked.plan
         fresh()
-        checkpointed = _step(model, args, device, kwargs, loss_fn)
+        checkpointed = run_step(model, args, kwargs, loss_fn)
     return _compare(plan, reference, checkpointed, atol, rtol)
-
-
-def _device_of(model: nn.Module, args: Sequence[Any]) -> torch.device:
-    for t in (*model.parameters(), *tree_leaves(list(args))):
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
-
-
-def _unwrap(model: nn.Module) -> None:
-    if _installed(model) is not None:
-        restore(model)
-
-
-@contextlib.contextmanager
-def _preserved(model: nn.Module) -> Iterator[Any]:
-    """Keep forward, buffers, grads and RNG; yield a function that resets to the start."""
-    had_forward = "forward" in model.__dict__
-    forward = model.__dict__.get("forward")
-    slots = buffer_slots(model)
-    grads = [(p, p.grad) for p in model.parameters()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def fresh() -> None:
-        install_buffer_clones(slots)
-        for p, _ in grads:
-            p.grad = None
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-    try:
-        yield fresh
-    finally:
-        model.__dict__.pop("forward", None)
-        if had_forward:
-            model.__dict__["forward"] = forward
-        reinstall_buffers(slots)
-        for p, g in grads:
-            p.grad = g
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-
-def _requires_grad_copy(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        y = x.detach().clone()
-        return y.requires_grad_(True) if y.is_floating_point() or y.is_complex() else y
-    return x
-
-
-def _step(
-    model: nn.Module,
-    args: Sequence[Any],
-    device: torch.device,
-    kwargs: dict[str, Any] | None = None,
-    loss_fn: LossFn | None = None,
-    *,
-    input_grads: bool = True,
-) -> _Step:
-    # on copies, so the caller's tensors get no .grad; without input_grads, only the inputs
-    # that require gradients already get one, as in the caller's own step
-    inputs = [
-        _requires_grad_copy(a) if input_grads or (isinstance(a, torch.Tensor) and a.requires_grad) else a
-        for a in args
-    ]
-    with track_memory(device) as mem:
-        out = model(*inputs, **(kwargs or {}))
-        loss = step_loss(out, loss_fn, where="verify")
-        if loss.requires_grad:
-            loss.backward()
-        del loss
-    tensors: dict[str, torch.Tensor | None] = {}
-    for i, t in enumerate(tree_leaves(out)):
-        if isinstance(t, torch.Tensor):
-            tensors[f"output {i}"] = t.detach()
-    for i, x in enumerate(inputs):
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            tensors[f"grad of input {i}"] = x.grad
-    for name, p in model.named_parameters():
-        tensors[f"grad of {name}"] = p.grad
-    for name, b in model.named_buffers():
-        tensors[f"buffer {name}"] = b.detach().clone()
-    return _Step(tensors, mem)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -252,7 +161,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     )
 
 
-def _compare(plan: Plan, ref: _Step, ckpt: _Step, atol: float, rtol: float) -> VerifyReport:
+def _compare(plan: Plan, ref: StepResult, ckpt: StepResult, atol: float, rtol: float) -> VerifyReport:
     groups = {"output": 0.0, "grad of input": 0.0, "grad of": 0.0, "buffer": 0.0}
     mismatches = []
     for name in ref.tensors.keys() | ckpt.tensors.keys():
@@ -288,21 +197,3 @@ def _compare(plan: Plan, ref: _Step, ckpt: _Step, atol: float, rtol: float) -> V
         atol=atol,
         rtol=rtol,
     )
-
-
-def measure_step(
-    model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None = None, loss_fn: LossFn | None = None
-) -> int:
-    """Allocator-level peak of one training step of ``model`` as it is now, parameters,
-    buffers and inputs included; the model is left exactly as it was. The inputs are used as
-    they are: unlike :func:`verify`, no input gradient is computed unless one is asked for."""
-    from autockpt.planning import _static_bytes
-
-    device = _device_of(model, args)
-    with _preserved(model) as fresh:
-        fresh()
-        _step(model, args, device, kwargs, loss_fn, input_grads=False)  # warm-up
-        fresh()
-        step = _step(model, args, device, kwargs, loss_fn, input_grads=False)
-    values = [*args, *(kwargs or {}).values()]
-    return _static_bytes(model, values) + step.memory.peak_bytes

@@ -52,7 +52,8 @@ from tqdm import tqdm
 
 import autockpt
 from autockpt.cli import budget_arg
-from autockpt.plan import Segment, format_bytes
+from autockpt.plan import Segment
+from autockpt.units import format_bytes
 from autockpt.planners.budget import predict
 from autockpt.planning import describe_peak
 

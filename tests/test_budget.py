@@ -103,7 +103,7 @@ def test_infeasible_budget_names_the_floor_and_the_stage() -> None:
     with pytest.raises(autockpt.PlanInfeasibleError) as info:
         run_planner(get_planner("budget", where="t"), request, where="t")
     assert info.value.min_budget_bytes == min_feasible_budget(costs)
-    assert f"is {autockpt.plan.format_bytes(min_feasible_budget(costs))}" in str(info.value)
+    assert f"is {autockpt.units.format_bytes(min_feasible_budget(costs))}" in str(info.value)
 
 
 def test_prediction_says_where_the_peak_falls() -> None:
@@ -156,7 +156,7 @@ def test_budget_without_example_inputs_or_with_segments() -> None:
 
 @pytest.mark.parametrize("text", ["2GiB", "512MB", "1.5 gib", "1000000"])
 def test_budget_strings(text: str) -> None:
-    from autockpt.budget_spec import parse_budget
+    from autockpt.units import parse_budget
 
     expected = {"2GiB": 2 * 2**30, "512MB": 512 * 10**6, "1.5 gib": int(1.5 * 2**30), "1000000": 10**6}
     assert parse_budget(text, unwrapped_bytes=1, where="t") == expected[text]
@@ -296,12 +296,12 @@ def test_check_measures_the_plan_and_records_the_figure() -> None:
     plan = model.forward.plan
     assert plan.budget_bytes is not None
     note = next(n for n in plan.notes if n.startswith("measured peak"))
-    assert f"for budget {autockpt.plan.format_bytes(plan.budget_bytes)}" in note
+    assert f"for budget {autockpt.units.format_bytes(plan.budget_bytes)}" in note
     assert autockpt.Plan.from_json(plan.to_json()) == plan
 
 
 def test_check_tightens_a_plan_whose_prediction_was_too_low(monkeypatch: pytest.MonkeyPatch) -> None:
-    import autockpt.verification as verification
+    import autockpt.api as verification
 
     real = verification.measure_step
     calls: list[int] = []
@@ -323,14 +323,14 @@ def test_check_tightens_a_plan_whose_prediction_was_too_low(monkeypatch: pytest.
 
 
 def test_a_model_is_profiled_once_per_input_signature(monkeypatch: pytest.MonkeyPatch) -> None:
-    import autockpt.planning as planning
+    import autockpt.measure.model_profile as planning
 
     calls: list[tuple[int, ...]] = []
     real = planning.profile_chain
 
-    def counting(model: nn.Module, chain: object, x: torch.Tensor, static: int) -> autockpt.Profile:
+    def counting(model: nn.Module, chain: object, x: torch.Tensor, static: int, **kw: object) -> autockpt.Profile:
         calls.append(tuple(x.shape))
-        return real(model, chain, x, static)  # type: ignore[arg-type]
+        return real(model, chain, x, static, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(planning, "profile_chain", counting)
     model = chain()
@@ -346,7 +346,7 @@ def test_a_model_is_profiled_once_per_input_signature(monkeypatch: pytest.Monkey
 
 
 def test_plans_reuse_a_profile_the_user_measured(monkeypatch: pytest.MonkeyPatch) -> None:
-    import autockpt.planning as planning
+    import autockpt.measure.model_profile as planning
 
     model, x = chain(), torch.randn(1024, 128)
     prof = autockpt.profile(model, (x,))

@@ -9,51 +9,87 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.profiling import _Windows
+from autockpt.measure.memory import Windows
 
 MiB = 2**20
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 class FakeAllocator:
-    """What ``torch.cuda`` reports about memory, driven by hand."""
+    """The CUDA caching allocator's memory history, driven by hand; resetting statistics fails."""
 
     def __init__(self) -> None:
-        self.allocated = self.peak = 0
+        self.trace: list[dict[str, object]] = []
+        self.recording = False
+        self.next_addr = 1 << 20
 
-    def alloc(self, n: int) -> None:
-        self.allocated += n
-        self.peak = max(self.peak, self.allocated)
+    def alloc(self, n: int) -> int:
+        addr, self.next_addr = self.next_addr, self.next_addr + n
+        if self.recording:
+            self.trace.append({"action": "alloc", "addr": addr, "size": n})
+        return addr
 
-    def free(self, n: int) -> None:
-        self.allocated -= n
+    def free(self, addr: int, n: int) -> None:
+        if self.recording:
+            self.trace.append({"action": "free_requested", "addr": addr, "size": n})
+            self.trace.append({"action": "free_completed", "addr": addr, "size": n})
+
+    def _record(self, enabled: str | None = "all", **kwargs: object) -> None:
+        self.recording = enabled is not None
+
+    def _mark(self) -> int:
+        addr = self.alloc(512)
+        self.free(addr, 512)
+        return addr
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
-        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
-        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self._reset)
+        from autockpt.measure import allocator
 
-    def _reset(self, device: object = None) -> None:
-        self.peak = self.allocated
+        def refuse(*args: object) -> None:
+            raise AssertionError("the caller's peak statistics must not be reset")
+
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", refuse)
+        monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: self.recording, raising=False)
+        monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", self._record)
+        monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda device=None: {"device_traces": [self.trace]})
+        monkeypatch.setattr(allocator._CudaRecorder, "_mark_allocation", self._mark)
+        monkeypatch.setattr(allocator, "_RECORDERS", {})
 
 
 def test_cuda_windows_report_peak_and_net_above_each_mark(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeAllocator()
     fake.install(monkeypatch)
     fake.alloc(100)  # parameters: before any window
-    with _Windows(torch.device("cuda", 0)) as windows:
+    with Windows(torch.device("cuda", 0)) as windows:
         windows.mark()
-        fake.alloc(50)
-        fake.alloc(30)
-        fake.free(50)
+        a, b = fake.alloc(50), fake.alloc(30)
+        fake.free(a, 50)
         windows.mark()  # window 1: peak 80, net 30
-        fake.free(30)
+        fake.free(b, 30)
         windows.mark()  # window 2: peak 0, net -30
-        fake.alloc(10)
-        fake.free(10)
+        c = fake.alloc(10)
+        fake.free(c, 10)
         windows.mark()  # window 3: peak 10, net 0
     assert windows.result == [(0, 0), (80, 30), (0, -30), (10, 0)]
+    assert not fake.recording  # switched off again: we switched it on
+
+
+def test_cuda_track_memory_nests_and_keeps_the_callers_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeAllocator()
+    fake.install(monkeypatch)
+    with autockpt.track_memory("cuda:0", tensors=False) as outer:
+        a = fake.alloc(100)
+        with autockpt.track_memory("cuda:0", tensors=False) as inner:
+            b = fake.alloc(300)
+            fake.free(b, 300)
+        fake.free(a, 100)
+    assert (inner.peak_bytes, inner.allocated_bytes) == (300, 0)
+    assert (outer.peak_bytes, outer.allocated_bytes) == (400, 0)
+    fake.recording = True  # the caller records history for the memory viewer: it stays on
+    with autockpt.track_memory("cuda:0", tensors=False) as mem:
+        fake.alloc(64)
+    assert mem.peak_bytes == 64 and fake.recording
 
 
 def chain(width: int = 512, depth: int = 8) -> nn.Sequential:
@@ -95,7 +131,7 @@ def test_cuda_budget_prediction_matches_the_allocator(fraction: float) -> None:
     model = chain(depth=16).cuda()
     plan = autockpt.make_plan(model, budget=fraction, example_inputs=(x,), loss_fn=square_mean)
     autockpt.auto_checkpoint(model, plan)
-    from autockpt.verification import measure_step
+    from autockpt.measure.step import measure_step
 
     measured = measure_step(model, (x,), None, square_mean)
     assert plan.predicted_peak_bytes is not None and plan.budget_bytes is not None

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import autockpt
-from autockpt.graph import GraphPiece
+from autockpt.walkers.graph import GraphPiece
 
 D = torch.float64
 

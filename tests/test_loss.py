@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.losses import default_loss
-from autockpt.verification import measure_step
+from autockpt.measure.losses import default_loss
+from autockpt.measure.step import measure_step
 
 MiB = 2**20
 
@@ -60,7 +60,7 @@ def test_the_profile_reports_the_loss() -> None:
 
 
 def test_the_loss_is_measured_once_per_loss_function(monkeypatch: pytest.MonkeyPatch) -> None:
-    import autockpt.planning as planning
+    import autockpt.measure.model_profile as planning
 
     calls: list[object] = []
     real = planning.measure_loss
@@ -86,7 +86,7 @@ def test_plans_say_which_loss_they_assumed() -> None:
 
 
 def test_verify_and_check_use_the_loss_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    import autockpt.verification as verification
+    import autockpt.api as verification
 
     x = torch.randn(1024, 256)
     model = wide_chain()

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.plan import format_bytes
+from autockpt.units import format_bytes
 
 MiB = 2**20
 
@@ -43,18 +43,45 @@ def test_allocator_level_sees_workspaces_the_tensor_level_misses() -> None:
     assert mem.peak_bytes > mem.tensor_peak_bytes
 
 
-def test_nested_cpu_allocator_tracking_is_refused_clearly() -> None:
-    with autockpt.track_memory("cpu"), pytest.raises(autockpt.AutockptError, match="allocator=False"):
+def test_nested_cpu_windows_each_see_their_block() -> None:
+    MiB = 2**20
+    with autockpt.track_memory("cpu") as outer:
+        a = torch.ones(MiB // 4)  # 1 MiB, outer only
+        with autockpt.track_memory("cpu") as inner:
+            b = torch.ones(MiB // 2)  # 2 MiB, both
+            del b
+        c = torch.ones(MiB // 4)  # 1 MiB, outer only
+        del a, c
+    assert inner.peak_bytes == 2 * MiB and inner.allocated_bytes == 0
+    assert outer.peak_bytes == 3 * MiB and outer.allocated_bytes == 0
+    assert inner.tensor_peak_bytes == 2 * MiB and outer.tensor_peak_bytes == 3 * MiB
+
+
+def test_a_profiler_the_caller_runs_is_refused_clearly() -> None:
+    with torch.profiler.profile(), pytest.raises(autockpt.AutockptError, match="allocator=False"):
         with autockpt.track_memory("cpu"):
             pass
-    with autockpt.track_memory("cpu") as outer, autockpt.track_memory("cpu", allocator=False) as inner:
+    with torch.profiler.profile(), autockpt.track_memory("cpu", allocator=False) as mem:
         torch.ones(1024)
-    assert inner.tensor_peak_bytes == outer.tensor_peak_bytes == 4096
+    assert mem.tensor_peak_bytes == 4096
 
 
 def test_bad_device() -> None:
     with pytest.raises(ValueError, match="device='meta' is not supported"):
         autockpt.track_memory("meta")
+
+
+def test_the_device_comes_from_the_model_or_inputs_not_from_cuda_being_initialised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert autockpt.track_memory().stats.device == torch.device("cpu")
+    assert autockpt.track_memory(model=nn.Linear(2, 2)).stats.device == torch.device("cpu")
+    meta = nn.Linear(2, 2, device="meta")
+    with pytest.raises(ValueError, match="device='meta'"):
+        autockpt.track_memory(model=meta)
+    with pytest.raises(ValueError, match="device='meta'"):
+        autockpt.track_memory(inputs=[torch.empty(1, device="meta")], model=nn.Linear(2, 2))
 
 
 def _train_step(model: nn.Module, x: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ from autockpt.planners import budget as _budget  # noqa: F401
 from autockpt.planners.registry import (
     Planner,
     PlanRequest,
+    StageCost,
     available_planners,
     get_planner,
     register_planner,
@@ -15,6 +16,7 @@ from autockpt.planners.registry import (
 __all__ = [
     "PlanRequest",
     "Planner",
+    "StageCost",
     "available_planners",
     "get_planner",
     "register_planner",

@@ -37,11 +37,12 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from autockpt.errors import PlanInfeasibleError
-from autockpt.plan import Segment, format_bytes
-from autockpt.planners.registry import PlanRequest, register_planner
+from autockpt.plan import Segment
+from autockpt.planners.registry import PlanRequest, StageCost, register_planner
+from autockpt.units import format_bytes
 
 __all__ = [
     "Prediction",
@@ -59,41 +60,6 @@ _RESOLUTION = 128
 def _max_segment(n: int) -> int:
     """Longest checkpointed segment considered: all of them when exact, else 4 sqrt(n)."""
     return n if n <= _EXACT_UP_TO else max(16, 4 * math.isqrt(n))
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """What one stage costs in a training step (bytes are allocator-level).
-
-    Attributes:
-        fwd_ms: forward time.
-        bwd_ms: backward time.
-        in_bytes: its input, i.e. what a checkpoint starting here keeps.
-        out_bytes: its output (and the size of the gradient flowing into it).
-        kept_bytes: what it holds from its forward to its backward when not checkpointed,
-            apart from its input and output (saved intermediates).
-        keeps_input: it saves its input for backward (a Linear, a convolution).
-        keeps_output: it saves its output for backward (a ReLU, a sigmoid).
-        fwd_peak_bytes: working peak of its forward above its input (output included).
-        bwd_peak_bytes: working peak of its backward above what it holds and its output
-            gradient (workspaces, input and parameter gradients included).
-        grad_bytes: parameter gradients it leaves allocated after its backward.
-    """
-
-    fwd_ms: float
-    bwd_ms: float
-    in_bytes: int
-    out_bytes: int
-    kept_bytes: int
-    keeps_input: bool
-    keeps_output: bool
-    fwd_peak_bytes: int
-    bwd_peak_bytes: int
-    grad_bytes: int
-
-    def to_dict(self) -> dict[str, float]:
-        """Plain data for JSON."""
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -121,14 +87,22 @@ class _Model:
     """The cost model. ``kept`` says whether the item before holds the current input
     (a plain stage that keeps its output), so a boundary tensor is counted once."""
 
-    def __init__(self, costs: Sequence[StageCost], loss_bytes: int | None = None) -> None:
+    def __init__(
+        self, costs: Sequence[StageCost], loss_bytes: int | None = None, spans: Sequence[int] | None = None
+    ) -> None:
         self.c = list(costs)
         n = len(costs)
+        self.spans = list(spans) if spans is not None else None
         self.grads_after = [sum(c.grad_bytes for c in costs[i + 1 :]) for i in range(n)]
         self.loss_bytes = assumed_loss_bytes(costs) if loss_bytes is None else loss_bytes
         # the output stays alive through the whole backward: a training loop's ``out``
         # variable (``out = model(x); loss_fn(out).backward()``) still refers to it
         self.out = costs[-1].out_bytes if costs else 0
+
+    def longest(self, s: int) -> int:
+        """One past the last stage a checkpointed segment starting at ``s`` may end at."""
+        span = _max_segment(len(self.c)) if self.spans is None else min(self.spans[s], _max_segment(len(self.c)))
+        return s + span
 
     def loss(self, kept: bool) -> int:
         """What the loss adds to everything held: the output, unless the last plain stage
@@ -209,10 +183,13 @@ def predict(
 
 
 def _solve(
-    costs: Sequence[StageCost], budget: int, loss_bytes: int | None = None
+    costs: Sequence[StageCost],
+    budget: int,
+    loss_bytes: int | None = None,
+    spans: Sequence[int] | None = None,
 ) -> tuple[Segment, ...] | None:
     """Least-recompute single-level plan with predicted peak <= budget, or None."""
-    model = _Model(costs, loss_bytes)
+    model = _Model(costs, loss_bytes, spans)
     if len(costs) > _EXACT_UP_TO and importlib.util.find_spec("numpy") is not None:
         return _solve_dense(model, budget)
     return _solve_exact(model, budget)  # exact; slow on long chains without numpy
@@ -263,7 +240,7 @@ def _solve_dense(model: _Model, budget: int) -> tuple[Segment, ...] | None:
                 shift = -(-model.held(s, bool(flag)) // quantum)
                 relax(flag, s, (budget - local) // quantum, shift, int(costs[s].keeps_output), s + 1, 0.0, 0)
             shift = -(-model.checkpoint_held(s, bool(flag)) // quantum)
-            longest = s + _max_segment(n)
+            longest = model.longest(s)
             for t, (local, ms) in enumerate(model.checkpoint_locals(s, bool(flag)), start=s + 1):
                 if lowest + local > budget or t > longest:
                     break
@@ -311,7 +288,7 @@ def _solve_exact(model: _Model, budget: int) -> tuple[Segment, ...] | None:
                 _offer(front[(s + 1, after)], _round(held + held_plain, quantum), cost, s, kept, held,
                        Segment(s, s + 1, False))  # fmt: skip
             new_held = model.checkpoint_held(s, kept)
-            longest = s + _max_segment(n)
+            longest = model.longest(s)
             for t, (local, ms) in enumerate(model.checkpoint_locals(s, kept), start=s + 1):
                 if lowest + local > budget or t > longest:
                     break
@@ -379,12 +356,14 @@ def _merge_plain(segments: list[Segment]) -> tuple[Segment, ...]:
     return tuple(out)
 
 
-def min_feasible_budget(costs: Sequence[StageCost], *, loss_bytes: int | None = None) -> int:
+def min_feasible_budget(
+    costs: Sequence[StageCost], *, loss_bytes: int | None = None, spans: Sequence[int] | None = None
+) -> int:
     """The smallest budget any single-level plan fits, by bisection on the planner."""
     lo, hi = 0, predict((Segment(0, len(costs), False),), costs, loss_bytes=loss_bytes).peak_bytes
     while hi - lo > max(1, hi // 1000):
         mid = (lo + hi) // 2
-        if _solve(costs, mid, loss_bytes) is None:
+        if _solve(costs, mid, loss_bytes, spans) is None:
             lo = mid
         else:
             hi = mid
@@ -405,9 +384,11 @@ def budget_planner(request: PlanRequest) -> tuple[Segment, ...]:
             "auto_checkpoint(model, budget='2GiB', example_inputs=(x,))."
         )
     budget = request.budget_bytes - request.static_bytes
-    plan = _solve(request.costs, budget, request.loss_bytes) if budget > 0 else None
+    spans = request.checkpoint_spans
+    plan = _solve(request.costs, budget, request.loss_bytes, spans) if budget > 0 else None
     if plan is None:
-        floor = min_feasible_budget(request.costs, loss_bytes=request.loss_bytes) + request.static_bytes
+        floor = min_feasible_budget(request.costs, loss_bytes=request.loss_bytes, spans=spans)
+        floor += request.static_bytes
         model = _Model(request.costs, request.loss_bytes)
         worst = max(range(request.n_stages), key=lambda i: request.costs[i].bwd_peak_bytes)  # type: ignore[index]
         raise PlanInfeasibleError(

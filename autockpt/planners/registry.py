@@ -11,22 +11,54 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
 
 from autockpt.plan import Segment, validate_segments
-
-if TYPE_CHECKING:
-    from autockpt.planners.budget import StageCost
 
 __all__ = [
     "PlanRequest",
     "Planner",
+    "StageCost",
     "available_planners",
     "get_planner",
     "register_planner",
     "segments_from_sizes",
 ]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one stage costs in a training step (bytes are allocator-level).
+
+    Attributes:
+        fwd_ms: forward time.
+        bwd_ms: backward time.
+        in_bytes: its input, i.e. what a checkpoint starting here keeps.
+        out_bytes: its output (and the size of the gradient flowing into it).
+        kept_bytes: what it holds from its forward to its backward when not checkpointed,
+            apart from its input and output (saved intermediates).
+        keeps_input: it saves its input for backward (a Linear, a convolution).
+        keeps_output: it saves its output for backward (a ReLU, a sigmoid).
+        fwd_peak_bytes: working peak of its forward above its input (output included).
+        bwd_peak_bytes: working peak of its backward above what it holds and its output
+            gradient (workspaces, input and parameter gradients included).
+        grad_bytes: parameter gradients it leaves allocated after its backward.
+    """
+
+    fwd_ms: float
+    bwd_ms: float
+    in_bytes: int
+    out_bytes: int
+    kept_bytes: int
+    keeps_input: bool
+    keeps_output: bool
+    fwd_peak_bytes: int
+    bwd_peak_bytes: int
+    grad_bytes: int
+
+    def to_dict(self) -> dict[str, float]:
+        """Plain data for JSON."""
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -45,6 +77,10 @@ class PlanRequest:
         loss_bytes: what the loss needs on top of the model's output (its intermediates
             and the output's gradient), when measured; ``None`` assumes two tensors the
             size of the output.
+        checkpoint_spans: per stage, the most stages a checkpointed segment starting there
+            may hold (0: none may start there); ``None`` for no limit. The block walker's
+            profile uses it: its blocks are checkpointed one at a time, and the code between
+            blocks cannot be checkpointed at all.
     """
 
     stage_names: tuple[str, ...]
@@ -54,6 +90,7 @@ class PlanRequest:
     budget_bytes: int | None = None
     static_bytes: int = 0
     loss_bytes: int | None = None
+    checkpoint_spans: tuple[int, ...] | None = None
 
     @property
     def n_stages(self) -> int:

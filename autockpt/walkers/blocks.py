@@ -4,7 +4,7 @@ Data-dependent control flow or HF-style wrappers defeat tracing, but such models
 almost always a stack of identical blocks (transformer layers, residual blocks) held in a
 ``ModuleList`` or ``Sequential``. Each block becomes one stage and is checkpointed on its
 own, by giving the block object an instance ``forward`` (as ``auto_checkpoint`` does for
-the root), so no module is wrapped or renamed. The rest of the model runs as written.
+the root; ``autockpt.execution.forward.BlockForward``), so no module is wrapped or renamed. The rest of the model runs as written.
 
 Which blocks: among all groups of two or more same-class children of one ``ModuleList`` or
 ``Sequential``, the groups holding the most parameters are taken first, skipping groups
@@ -16,13 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
-from autockpt.runtime import SegmentRuntime, run_segments
-from autockpt.walk import Unit
+from autockpt.chain import Unit
+from autockpt.walkers.sequential import INSTALLED_MARK
 
-__all__ = ["BlockCall", "BlockForward", "find_blocks"]
+__all__ = ["BlockCall", "block_unit", "find_blocks"]
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -70,21 +69,7 @@ class BlockCall:
 def block_unit(name: str, block: nn.Module) -> Unit:
     """A unit for one block; its in-place behaviour is not probed (see docs/design.md)."""
     previous = block.__dict__.get("forward")
-    if isinstance(previous, BlockForward):  # planned again: call what was there before us
-        previous = previous.call.original
+    if getattr(previous, INSTALLED_MARK, False):  # planned again: call what was there before us
+        call = getattr(previous, "call", None)
+        previous = call.original if isinstance(call, BlockCall) else None
     return Unit(name, BlockCall(block, previous), (block,), type(block).__name__)
-
-
-class BlockForward:
-    """What a checkpointed block's ``forward`` is: a checkpoint around its own forward."""
-
-    _autockpt_forward = True
-
-    def __init__(self, runtime: SegmentRuntime, call: BlockCall) -> None:
-        self.runtime = runtime
-        self.call = call
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.call((args, kwargs))
-        return run_segments((self.runtime,), (args, kwargs))

@@ -27,17 +27,21 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autockpt.walk import Unit
+from autockpt.chain import Unit
 
-__all__ = ["GraphProgram", "UnbindableError", "trace_units"]
+__all__ = ["GraphProgram", "TraceFailure", "UnbindableError", "trace_program", "units_of"]
 
 
 class UnbindableError(Exception):
     """An argument is ``None`` where the traced graph computes with it (an optional input)."""
 
 
+class TraceFailure(Exception):
+    """``torch.fx`` could not trace the model (the walker then tries the next one)."""
+
+
 # Functions and methods that draw no random numbers; anything else in a unit makes the
-# runtime keep torch's RNG stash for it (see runtime._RNG_FREE).
+# runtime keep torch's RNG stash for it (see RNG_FREE in execution/runtime.py).
 _PURE_FUNCTIONS = {
     operator.add, operator.iadd, operator.mul, operator.imul, operator.sub, operator.truediv,
     operator.getitem, operator.matmul, operator.neg, getattr,
@@ -86,10 +90,11 @@ class GraphProgram:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or self.__dict__.get("_ready", True):
             raise AttributeError(name)
-        self._load(_Tracer().trace(self.model))
+        self.load(_Tracer().trace(self.model))
         return getattr(self, name)
 
-    def _load(self, graph: fx.Graph) -> None:
+    def load(self, graph: fx.Graph) -> None:
+        """Take ``graph`` as the program (tracing done elsewhere)."""
         self._ready = True
         nodes = list(graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -324,14 +329,25 @@ class _Tracer(fx.Tracer):
             torch._C._set_grad_enabled = real
 
 
-def trace_units(model: nn.Module) -> tuple[GraphProgram, tuple[Unit, ...]]:
-    """Trace ``model`` and cut it into units at the candidate cuts.
+def trace_program(model: nn.Module) -> GraphProgram:
+    """Trace ``model`` with ``torch.fx``.
 
     Raises:
-        Exception: whatever ``torch.fx.symbolic_trace`` raises for untraceable code.
+        TraceFailure: tracing failed. Tracing runs the model's own code on proxies, so any
+            exception it raises means "not traceable"; its type and first line are kept.
     """
     program = GraphProgram(model)
-    program._load(_Tracer().trace(model))
+    try:
+        graph = _Tracer().trace(model)
+    except Exception as err:  # the model's code, run on proxies, may raise anything
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise TraceFailure(f"{type(err).__name__}: {first}") from err
+    program.load(graph)
+    return program
+
+
+def units_of(program: GraphProgram) -> tuple[Unit, ...]:
+    """Cut a traced program into units at the candidate cuts."""
     cuts = [*program.cuts(), len(program.nodes)]
     # a piece with no module call (mask arithmetic, reshapes) joins the piece after it
     cuts = [c for i, c in enumerate(cuts) if i == 0 or c == cuts[-1] or program.calls_module(cuts[i - 1], c)]
@@ -347,7 +363,7 @@ def trace_units(model: nn.Module) -> tuple[GraphProgram, tuple[Unit, ...]]:
                 pure=program.piece_pure(start, stop),
             )
         )
-    return program, tuple(_unique_names(units))
+    return tuple(_unique_names(units))
 
 
 def _unique_names(units: list[Unit]) -> list[Unit]:

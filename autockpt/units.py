@@ -1,10 +1,13 @@
-"""Reading a ``budget=`` argument: bytes, a string with units, or a fraction."""
+"""Bytes as people write and read them: ``budget=`` arguments in, ``"1.50 MiB"`` out.
+
+Torch-free, so planners, plans and the command line share one reading and one spelling of
+byte counts."""
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["parse_budget"]
+__all__ = ["format_bytes", "parse_budget"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -42,3 +45,18 @@ def parse_budget(budget: object, *, unwrapped_bytes: int, where: str) -> int:
     if value <= 0:
         raise ValueError(f"{where}: budget={budget!r} is not positive. {fix}")
     return value
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units, e.g. ``"1.50 MiB"``.
+
+    Examples:
+        >>> format_bytes(1536 * 1024)
+        '1.50 MiB'
+    """
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -4,23 +4,29 @@
 so the class, the module tree, the parameter objects and the ``state_dict`` keys stay as
 they were, optimizers keep working, and ``restore`` removes the attribute again.
 
-The dry run and the re-planning it may cause: NOTE [The one-time dry run] in ``forward.py``.
+The dry run and the re-planning it may cause: NOTE [The one-time dry run] in
+``execution/forward.py``. Planning happens in ``planning.py``, the measured step of
+``check=True`` in ``measure/step.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
+from autockpt.chain import chain_from_names
 from autockpt.errors import AutockptError, PlanInfeasibleError
-from autockpt.forward import install, installed
-from autockpt.losses import LossFn
-from autockpt.plan import Plan, format_bytes
-from autockpt.planning import SegmentsSpec, _as_args, _check_spec, _probe, prepare
-from autockpt.walk import chain_from_names
+from autockpt.execution.forward import CheckpointedForward, install, installed, uninstall
+from autockpt.measure.losses import LossFn
+from autockpt.measure.step import measure_step
+from autockpt.plan import Plan, set_applier
+from autockpt.planning import SegmentsSpec, check_spec, prepare
+from autockpt.tensors import as_args
+from autockpt.units import format_bytes
 from autockpt.walkers import walk
 
 __all__ = ["apply_plan", "auto_checkpoint", "make_plan", "restore"]
@@ -88,21 +94,15 @@ def auto_checkpoint(
         2
     """
     _check_module(model, "auto_checkpoint")
-    _check_spec(segments, "auto_checkpoint")
+    check_spec(segments, "auto_checkpoint")
     if (inner := _compiled_inner(model)) is not None:
         auto_checkpoint(inner, segments, budget=budget, example_inputs=example_inputs,
                         example_kwargs=example_kwargs, mode=mode, loss_fn=loss_fn, check=check)  # fmt: skip
         return model
     walked, probe, chain, plan = prepare(
-        model,
-        segments,
-        budget,
-        example_inputs,
-        example_kwargs,
-        mode,
-        where="auto_checkpoint",
-        loss_fn=loss_fn,
-    )
+        model, segments, budget, example_inputs, example_kwargs, mode,
+        where="auto_checkpoint", loss_fn=loss_fn, previous=_previous(model),
+    )  # fmt: skip
     install(model, walked, chain, plan, plan if budget is not None else segments, probe)
     if check and budget is not None:
         _keep_the_promise(model, example_inputs, example_kwargs, mode, loss_fn)
@@ -117,11 +117,8 @@ def _keep_the_promise(
     loss_fn: LossFn | None,
 ) -> None:
     """Measure the applied plan; while it exceeds the budget, plan for less and re-measure."""
-    from autockpt.verification import measure_step
-
-    fwd = installed(model)
-    assert fwd is not None
-    args, kwargs = _as_args(example_inputs or ()), dict(example_kwargs or {})
+    fwd = _installed_or_fail(model)
+    args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     target = fwd.plan.budget_bytes or 0
     limit, measured = target, measure_step(model, args, kwargs, loss_fn)
     for _ in range(3):
@@ -135,14 +132,13 @@ def _keep_the_promise(
         except PlanInfeasibleError:
             break
         install(model, fwd.walked, chain, plan, plan, probe)
-        fwd = installed(model)
-        assert fwd is not None
+        fwd = _installed_or_fail(model)
         measured = measure_step(model, args, kwargs, loss_fn)
     note = f"measured peak {format_bytes(measured)} for budget {format_bytes(target)}"
     if limit != target:
         note += f" (planned for {format_bytes(limit)} to keep it)"
     # the plan states the user's budget, whatever lower figure it was planned for
-    fwd.plan = Plan(**{**fwd.plan.__dict__, "budget_bytes": target, "notes": (*fwd.plan.notes, note)})
+    fwd.plan = dataclasses.replace(fwd.plan, budget_bytes=target, notes=(*fwd.plan.notes, note))
     if measured > target:
         warnings.warn(f"auto_checkpoint: {note}; no plan found that keeps it.", UserWarning, stacklevel=3)
 
@@ -170,11 +166,12 @@ def make_plan(
         ('0+1', '2', '3')
     """
     _check_module(model, "make_plan")
-    _check_spec(segments, "make_plan")
+    check_spec(segments, "make_plan")
     model = _compiled_inner(model) or model
     return prepare(
-        model, segments, budget, example_inputs, example_kwargs, mode, where="make_plan", loss_fn=loss_fn
-    )[3]
+        model, segments, budget, example_inputs, example_kwargs, mode,
+        where="make_plan", loss_fn=loss_fn, previous=_previous(model),
+    )[3]  # fmt: skip
 
 
 def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
@@ -182,7 +179,9 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     _check_module(model, "Plan.apply")
     walked = walk(model, plan.walker, where="Plan.apply")
     chain = chain_from_names(plan.walker, walked.units, plan.stage_names)
-    install(model, walked, chain, plan, plan, _probe(model, walked, None, None, "Plan.apply"))
+    previous = _previous(model)
+    same = previous is not None and [u.name for u in previous[0]] == [u.name for u in walked.units]
+    install(model, walked, chain, plan, plan, previous[1] if previous is not None and same else None)
     return model
 
 
@@ -202,20 +201,28 @@ def restore(model: nn.Module) -> nn.Module:
     if (inner := _compiled_inner(model)) is not None:
         restore(inner)
         return model
-    fwd = installed(model)
-    if fwd is None:
+    if not uninstall(model):
         raise AutockptError(
             f"restore: this {type(model).__name__} is not checkpointed by autockpt, so there is "
             f"nothing to restore. Call autockpt.auto_checkpoint(model) first."
         )
-    fwd.remove_blocks()
-    del model.__dict__["forward"]
-    if fwd.original_forward is not None:
-        model.__dict__["forward"] = fwd.original_forward
     return model
 
 
-# --- planning -------------------------------------------------------------------------
+set_applier(apply_plan)  # NOTE [Plan.apply without an import cycle] in plan.py
+
+
+def _previous(model: nn.Module) -> tuple[tuple[Any, ...], Any] | None:
+    """The units and dry run of the plan installed on ``model`` now, for planning again."""
+    fwd = installed(model)
+    return (fwd.units, fwd.probe) if fwd is not None else None
+
+
+def _installed_or_fail(model: nn.Module) -> CheckpointedForward:
+    fwd = installed(model)
+    if fwd is None:
+        raise AutockptError(f"auto_checkpoint: no plan is installed on this {type(model).__name__}.")
+    return fwd
 
 
 def _compiled_inner(model: nn.Module) -> nn.Module | None:

@@ -3,7 +3,7 @@
 NOTE [The one-time dry run]
     Whether a module modifies its input in place cannot always be read off its
     attributes, so autockpt runs the model's modules once on a real input and watches
-    tensor version counters (see NOTE [In-place boundaries] in ``walk.py``). With
+    tensor version counters (see NOTE [In-place boundaries] in ``chain.py``). With
     ``example_inputs`` this happens at planning time; without, on the first forward pass
     that records gradients. The dry run is invisible: buffers and RNG are restored and
     :func:`autockpt.is_recomputing` is true during it. If it finds a module that the
@@ -21,16 +21,33 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.blocks import BlockCall, BlockForward
+from autockpt.chain import Chain, DryRun, Unit, build_chain
 from autockpt.errors import AutockptError
-from autockpt.graph import UnbindableError
+from autockpt.execution.runtime import SegmentRuntime, build_runtime, run_segments
+from autockpt.measure.dry_run import probe_units
 from autockpt.plan import Plan
-from autockpt.planning import SegmentsSpec, plan_chain
-from autockpt.runtime import SegmentRuntime, build_runtime, dry_run_state, run_segments
-from autockpt.walk import Chain, DryRun, Unit, build_chain, probe_units
+from autockpt.planning import SegmentsSpec, build_plan
+from autockpt.sandbox import dry_run_state
 from autockpt.walkers import Walked, walk
+from autockpt.walkers.blocks import BlockCall
+from autockpt.walkers.graph import UnbindableError
 
-__all__ = ["CheckpointedForward", "install", "installed"]
+__all__ = ["BlockForward", "CheckpointedForward", "install", "installed", "uninstall"]
+
+
+class BlockForward:
+    """What a checkpointed block's ``forward`` is: a checkpoint around its own forward."""
+
+    _autockpt_forward = True
+
+    def __init__(self, runtime: SegmentRuntime, call: BlockCall) -> None:
+        self.runtime = runtime
+        self.call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.call((args, kwargs))
+        return run_segments((self.runtime,), (args, kwargs))
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +152,7 @@ class CheckpointedForward:
         self.probe = None
         chain = build_chain("graph", self.walked.units)
         spec = self.spec if self.spec is not None and not isinstance(self.spec, Plan) else self.plan.strategy
-        self.plan = plan_chain(chain, _respec(spec, len(chain.stages)), where="auto_checkpoint")
+        self.plan = build_plan(chain, _respec(spec, len(chain.stages)), where="auto_checkpoint")
         self._bind(chain)
 
     def _dry_run(self, x: Any) -> None:
@@ -164,7 +181,7 @@ class CheckpointedForward:
                 stacklevel=4,
             )
             spec = n
-        plan = plan_chain(chain, spec, where="auto_checkpoint", notes=self.walked.notes)
+        plan = build_plan(chain, spec, where="auto_checkpoint", notes=self.walked.notes)
         if plan != self.plan:
             logger.info("autockpt: re-planned %r after the dry run", spec)
             self.plan = plan
@@ -189,8 +206,22 @@ def _respec(spec: SegmentsSpec, n: int) -> SegmentsSpec:
 
 
 def installed(model: nn.Module) -> CheckpointedForward | None:
+    """The checkpointed forward installed on ``model``, if any."""
     fwd = model.__dict__.get("forward")
     return fwd if isinstance(fwd, CheckpointedForward) else None
+
+
+def uninstall(model: nn.Module) -> bool:
+    """Remove every forward autockpt installed on ``model`` and its blocks; put back the
+    user's own instance forwards. Returns whether anything was installed."""
+    fwd = installed(model)
+    if fwd is None:
+        return False
+    fwd.remove_blocks()
+    del model.__dict__["forward"]
+    if fwd.original_forward is not None:
+        model.__dict__["forward"] = fwd.original_forward
+    return True
 
 
 def install(
@@ -201,6 +232,7 @@ def install(
     spec: SegmentsSpec,
     probe: DryRun | None,
 ) -> None:
+    """Install a :class:`CheckpointedForward` for ``plan`` on ``model``, replacing any earlier one."""
     previous = installed(model)
     if previous is not None:
         previous.remove_blocks()

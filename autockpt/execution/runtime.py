@@ -1,4 +1,4 @@
-"""Running a planned chain: checkpointed segments, exact buffers, the recompute flag.
+"""Running a planned chain: checkpointed segments, exact buffers, the mutation guard.
 
 NOTE [Buffers change once per forward]
     ``torch.utils.checkpoint`` replays a segment's forward in backward, so a BatchNorm in
@@ -7,8 +7,17 @@ NOTE [Buffers change once per forward]
     forward* (a clone for in-place updates, the old object for reassigned buffers). The
     recompute runs against private copies of those old values (so it sees exactly what the
     original forward saw) and the live buffers are put back afterwards, so the user
-    observes one update per forward. Which buffers a segment changes in place is learned
-    from version counters on its first forward; until then all its buffers are cloned.
+    observes one update per forward.
+
+    Which buffers changed must be known without asking the device: comparing values
+    (``torch.equal``) waits for the device on every call. Version counters are free, but
+    BatchNorm's CPU kernel updates ``running_mean`` without bumping its version. So the first
+    call in each combination of train/eval modes compares values once (one wait, once) and
+    records which buffers changed; every later call keeps the copies of those, plus any
+    buffer whose version counter moved, and compares nothing. A value that happened not to
+    change on the first call (a batch whose mean equals the running mean) must not hide a
+    buffer that changes later, so a norm layer's running statistics in training mode count as
+    changed whatever their values did (found by the property test).
 
 NOTE [Mutation guard]
     A recompute runs with the parameters, buffers and train/eval modes of the moment it
@@ -37,53 +46,21 @@ NOTE [Recompute detection]
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autockpt.chain import Stage
 from autockpt.errors import MutationError
 from autockpt.plan import Segment
-from autockpt.walk import Stage
+from autockpt.sandbox import recomputing
 
-__all__ = ["SegmentRuntime", "build_runtime", "is_recomputing", "recomputing", "run_segments"]
-
-_local = threading.local()
-
-
-def is_recomputing() -> bool:
-    """Whether the current thread is inside a forward that autockpt runs a second time.
-
-    That is a recompute in backward, or the one-time dry run that looks for in-place
-    modules. Hooks and stateful code use it to act once per step.
-
-    Examples:
-        >>> import autockpt, torch
-        >>> calls = []
-        >>> def hook(module, args, out):
-        ...     if not autockpt.is_recomputing():
-        ...         calls.append(1)
-        >>> autockpt.is_recomputing()
-        False
-    """
-    return getattr(_local, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    """Mark the block as a second run of a forward for :func:`is_recomputing`."""
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
-
+__all__ = ["SegmentRuntime", "build_runtime", "compiled_body", "run_body", "run_segments"]
 
 BufferSlot = tuple[nn.Module, str]
 
@@ -150,6 +127,9 @@ class SegmentRuntime:
     children: tuple[SegmentRuntime, ...] = ()
     rng_free: tuple[nn.Module, ...] | None = None  # see _RNG_FREE
     named_modules: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; the mutation guard's
+    # per train/eval modes of named_modules: indices of buffers the forward changed in place,
+    # learned by value on the first call (NOTE [Buffers change once per forward])
+    changed: dict[tuple[bool, ...], frozenset[int]] = field(default_factory=dict)
 
 
 def build_runtime(segments: Sequence[Segment], stages: Sequence[Stage]) -> tuple[SegmentRuntime, ...]:
@@ -178,7 +158,7 @@ def run_segments(runtimes: Sequence[SegmentRuntime], x: Any) -> Any:
             leaves, spec = tree_flatten(x)
             if compiling:  # see NOTE [Under torch.compile]
                 x = torch.utils.checkpoint.checkpoint(
-                    functools.partial(_compiled_body, rt, spec), *leaves, use_reentrant=False
+                    functools.partial(compiled_body, rt, spec), *leaves, use_reentrant=False
                 )
                 continue
             call = _SegmentCall(rt, spec)
@@ -186,20 +166,26 @@ def run_segments(runtimes: Sequence[SegmentRuntime], x: Any) -> Any:
                 call, *leaves, use_reentrant=False, preserve_rng_state=_may_use_rng(rt)
             )
         else:
-            x = _run_body(rt, x)
+            x = run_body(rt, x)
     return x
 
 
-def _compiled_body(rt: SegmentRuntime, spec: Any, *leaves: Any) -> Any:
-    return _run_body(rt, tree_unflatten(list(leaves), spec))
+def compiled_body(rt: SegmentRuntime, spec: Any, *leaves: Any) -> Any:
+    return run_body(rt, tree_unflatten(list(leaves), spec))
 
 
-def _run_body(rt: SegmentRuntime, x: Any) -> Any:
+def run_body(rt: SegmentRuntime, x: Any) -> Any:
     if rt.children:
         return run_segments(rt.children, x)
     for stage in rt.stages:
         x = stage(x)
     return x
+
+
+def _running_statistic(module: nn.Module, name: str) -> bool:
+    """A norm layer's running statistics, which training updates on every forward."""
+    tracked = getattr(module, "track_running_stats", False) is True
+    return tracked and module.training and name in ("running_mean", "running_var", "num_batches_tracked")
 
 
 class _SegmentCall:
@@ -220,16 +206,30 @@ class _SegmentCall:
 
     def _forward(self, x: Any) -> Any:
         rt = self.rt
+        modes = tuple(module.training for _, module in rt.named_modules)
+        known = rt.changed.get(modes)
         before = [module._buffers.get(name) for module, name in rt.buffers]
+        versions = [t._version if t is not None else 0 for t in before]
         clones = [t.clone() if t is not None else None for t in before]
-        out = _run_body(rt, x)
+        out = run_body(rt, x)
         old: dict[int, torch.Tensor | None] = {}
+        in_place: set[int] = set()
         for i, ((module, name), t) in enumerate(zip(rt.buffers, before)):
             now = module._buffers.get(name)
             if now is not t:
                 old[i] = t
-            elif t is not None and not torch.equal(t, clones[i]):  # type: ignore[arg-type]
+                continue
+            if t is None:
+                continue
+            if known is None:  # first call in these modes: learn by value, once
+                changed = _running_statistic(module, name) or not torch.equal(t, clones[i])  # type: ignore[arg-type]
+            else:
+                changed = i in known or t._version != versions[i]
+            if changed:
                 old[i] = clones[i]
+                in_place.add(i)
+        if known is None:
+            rt.changed[modes] = frozenset(in_place)
         self.old = old
         self._remember_state(old)
         return out
@@ -276,7 +276,7 @@ class _SegmentCall:
             module._buffers[name] = t.clone() if t is not None else None
         try:
             with recomputing():
-                return _run_body(rt, x)
+                return run_body(rt, x)
         finally:
             for i, t in live.items():
                 module, name = rt.buffers[i]
@@ -296,42 +296,3 @@ def _named_modules(stages: Sequence[Stage]) -> tuple[tuple[str, nn.Module], ...]
                         seen.add(id(module))
                         out.append((sub, module))
     return tuple(out)
-
-
-@contextlib.contextmanager
-def dry_run_state(model: nn.Module, x: Any) -> Iterator[None]:
-    """Run a block as an invisible extra forward: buffers, RNG and counters untouched.
-
-    Buffers are swapped for clones and put back, the RNG of the CPU and of every CUDA
-    device that ``x`` lives on is forked, and :func:`is_recomputing` is true inside.
-    """
-    slots = buffer_slots(model)
-    devices = sorted(
-        {t.device.index or 0 for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor) and t.is_cuda}
-    )
-    install_buffer_clones(slots)
-    try:
-        with torch.random.fork_rng(devices=devices), recomputing():
-            yield
-    finally:
-        reinstall_buffers(slots)
-
-
-BufferState = list[tuple[nn.Module, str, "torch.Tensor | None"]]
-
-
-def buffer_slots(model: nn.Module) -> BufferState:
-    """Every buffer slot of ``model`` with the tensor it holds now."""
-    return [(m, n, t) for m in model.modules() for n, t in m._buffers.items()]
-
-
-def install_buffer_clones(slots: BufferState) -> None:
-    """Put private copies of the recorded buffers in place; the originals stay untouched."""
-    for module, name, t in slots:
-        module._buffers[name] = t.clone() if t is not None else None
-
-
-def reinstall_buffers(slots: BufferState) -> None:
-    """Put the recorded buffer objects back."""
-    for module, name, t in slots:
-        module._buffers[name] = t

@@ -1,0 +1,251 @@
+"""Allocator sessions: every allocation and free on a device, as a list of byte deltas.
+
+Both devices answer the same question the same way. On CPU the deltas are the profiler's
+memory events (read through the low-level ``torch._C._autograd`` profiler API, which skips
+the expensive post-processing of ``torch.profiler.profile``); on CUDA they are the caching
+allocator's trace (``torch.cuda.memory._record_memory_history``), the same record PyTorch's
+memory viewer draws. Sessions nest: a session opened inside another sees its own events, and
+the outer one sees them too. A :func:`AllocatorSession.mark` leaves a marker (``MARK``) in
+the list, so one session can be cut into windows (``autockpt.measure.memory.Windows``).
+
+Nothing here resets a statistic: ``torch.cuda.max_memory_allocated`` and
+``reset_peak_memory_stats`` stay the caller's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from autockpt.errors import AutockptError
+
+__all__ = ["MARK", "AllocatorSession", "open_session"]
+
+MARK: None = None
+"""What a marker looks like in a list of deltas."""
+
+_MARK_BYTES = 7919  # a CPU marker allocation: an odd prime no real tensor is likely to have
+
+
+class AllocatorSession:
+    """One open window on a device's allocator; :meth:`close` returns its deltas."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
+        self.deltas: list[int | None] = []
+
+    def mark(self) -> None:
+        """Leave a marker in this session's deltas (and in those of enclosing sessions)."""
+        self.recorder.mark()
+
+    def close(self) -> list[int | None]:
+        """End the session; its byte deltas in order, ``MARK`` where :meth:`mark` was called."""
+        self.recorder.close(self)
+        return self.deltas
+
+
+class _Recorder:
+    """The open sessions of one device, innermost last."""
+
+    def __init__(self) -> None:
+        self.open: list[AllocatorSession] = []
+
+    def start(self) -> AllocatorSession:
+        if self.open:
+            self._deliver(final=False)
+        else:
+            # garbage from before the session must not be freed inside it, where its size
+            # may be unknown or stale (see autockpt.measure.memory)
+            gc.collect()
+        session = AllocatorSession(self)
+        self.open.append(session)
+        self._begin()
+        return session
+
+    def close(self, session: AllocatorSession) -> None:
+        if session not in self.open:
+            raise AutockptError("track_memory: this allocator session is closed already.")
+        self._deliver(final=len(self.open) == 1)
+        while self.open and self.open[-1] is not session:  # an inner one left open: close it too
+            self.open.pop()
+        self.open.pop()
+        if self.open:
+            self._begin()
+
+    def _deliver(self, *, final: bool) -> None:
+        deltas = self._end(final=final)
+        for session in self.open:
+            session.deltas.extend(deltas)
+
+    def mark(self) -> None:
+        raise NotImplementedError
+
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def _end(self, *, final: bool) -> list[int | None]:
+        """Stop recording; the deltas since :meth:`_begin`. ``final``: no session stays open."""
+        raise NotImplementedError
+
+
+class _CpuRecorder(_Recorder):
+    """CPU allocations from the profiler's memory events.
+
+    The profiler cannot run twice, so a nested session stops the running one, hands its
+    events to every open session and starts again. A profiler the caller runs cannot be
+    shared; that is refused with a clear message.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._config: Any = None
+
+    def start(self) -> AllocatorSession:
+        if not self.open and torch._C._autograd._profiler_enabled():
+            raise AutockptError(
+                "track_memory: a torch profiler is already running, and CPU allocator events "
+                "cannot be recorded twice. Pass allocator=False to track_memory, or stop the profiler."
+            )
+        return super().start()
+
+    def mark(self) -> None:
+        torch.empty(_MARK_BYTES, dtype=torch.uint8)
+
+    def _begin(self) -> None:
+        from torch._C import _autograd
+        from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, _ExperimentalConfig
+
+        activities = {ProfilerActivity.CPU}
+        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        with _quiet_stderr():
+            _autograd._prepare_profiler(config, activities)
+            _autograd._enable_profiler(config, activities)
+
+    def _end(self, *, final: bool) -> list[int | None]:
+        from torch._C import _autograd
+
+        with _quiet_stderr():
+            result = _autograd._disable_profiler()
+        cpu = torch._C._autograd.DeviceType.CPU
+        events = [
+            (e.start_ns(), int(getattr(e, "nbytes")()))  # noqa: B009  (missing from torch's stubs)
+            for e in result.events()
+            if e.name() == "[memory]" and e.device_type() == cpu
+        ]
+        events.sort(key=lambda e: e[0])  # stable: same-time events keep their recorded order
+        out: list[int | None] = []
+        for _, nbytes in events:
+            if nbytes == _MARK_BYTES:
+                out.append(MARK)
+            elif nbytes != -_MARK_BYTES:
+                out.append(nbytes)
+        return out
+
+
+class _CudaRecorder(_Recorder):
+    """CUDA allocations from the caching allocator's memory history.
+
+    History is switched on for the outermost session (without stack traces) unless the
+    caller records it already, and switched off again only if we switched it on. A session
+    reads the trace entries added since it began: ``alloc`` adds a block's size,
+    ``free_requested`` takes it away (the moment ``memory_allocated`` drops). Markers are
+    allocations whose address is remembered.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self._owned = False
+        self._begun_at = 0
+        self._marks: set[int] = set()
+
+    def mark(self) -> None:
+        self._marks.add(self._mark_allocation())
+
+    def _mark_allocation(self) -> int:
+        """Allocate and free a tiny block; its address identifies the marker in the trace."""
+        t = torch.empty(1, dtype=torch.uint8, device=self.device)
+        return int(t.untyped_storage().data_ptr())
+
+    def _trace(self) -> list[dict[str, Any]]:
+        traces = torch.cuda.memory._snapshot(self.device)["device_traces"]
+        index = self.device.index or 0
+        return list(traces[index]) if index < len(traces) else []
+
+    def _begin(self) -> None:
+        if not self.open[:-1] and not torch._C._cuda_isHistoryEnabled():
+            torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
+            self._owned = True
+        torch.cuda.synchronize(self.device)
+        self._begun_at = len(self._trace())
+
+    def _end(self, *, final: bool) -> list[int | None]:
+        torch.cuda.synchronize(self.device)
+        entries = self._trace()[self._begun_at :]
+        if self._owned and final:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._owned = False
+        return cuda_deltas(entries, self._marks)
+
+
+def cuda_deltas(entries: list[dict[str, Any]], marks: set[int]) -> list[int | None]:
+    """Byte deltas of CUDA allocator trace entries; allocations at ``marks`` become ``MARK``."""
+    out: list[int | None] = []
+    for e in entries:
+        action, addr, size = e.get("action"), e.get("addr"), int(e.get("size", 0))
+        if action == "alloc":
+            if addr in marks:
+                out.append(MARK)
+            else:
+                out.append(size)
+        elif action == "free_requested":
+            if addr in marks:
+                marks.discard(addr)
+            else:
+                out.append(-size)
+    return out
+
+
+_RECORDERS: dict[str, _Recorder] = {}
+
+
+def open_session(device: torch.device) -> AllocatorSession:
+    """Start recording ``device``'s allocator (``cpu`` or ``cuda[:i]``) until ``close()``.
+
+    Raises:
+        AutockptError: on CPU, a profiler the caller started is running.
+        ValueError: another device type.
+    """
+    if device.type == "cpu":
+        recorder = _RECORDERS.setdefault("cpu", _CpuRecorder())
+    elif device.type == "cuda":
+        dev = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        recorder = _RECORDERS.setdefault(str(dev), _CudaRecorder(dev))
+    else:
+        raise ValueError(f"allocator sessions measure 'cpu' or 'cuda' memory, not {str(device)!r}.")
+    return recorder.start()
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence the profiler back end's start/stop chatter on file descriptor 2."""
+    fd = 2  # the C++ side writes to the process's stderr, whatever sys.stderr is now
+    try:
+        sys.stderr.flush()
+        saved = os.dup(fd)
+    except OSError:
+        yield
+        return
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), fd)
+    try:
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)

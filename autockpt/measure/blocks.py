@@ -1,0 +1,220 @@
+"""Profiling a model walked by blocks: its blocks, and the code before, between and after them.
+
+A model fx cannot trace runs its own forward; autockpt only sees its repeated blocks. A
+budget still covers the whole step, so the code around the blocks (embeddings, a stem, a
+head, masks built on the way) must be measured too, and only the model itself can run it.
+So the model runs one training step here, with three things added for the duration:
+
+* every block runs under ``torch.utils.checkpoint``, so the step holds little more than the
+  blocks' inputs (it never needs more memory than the unwrapped step);
+* the first time a block is called, it is first measured alone on the inputs the model hands
+  it (:func:`~autockpt.measure.profiling.measure_stage`, inputs requiring gradients exactly
+  where the model's do);
+* markers in one allocator session, at each block's entry and exit in forward and, through
+  tensor hooks, where each block's output and input gradients are ready in backward, cut the
+  step into windows: the code between block ``i - 1`` and block ``i`` is the "gap" stage
+  ``i``, measured where it really runs, forward and backward.
+
+The profile's stages are then gap 0, block 0, gap 1, ..., block n-1, gap n; gaps cannot be
+checkpointed (:attr:`Profile.checkpoint_spans`). Inputs shared by several blocks (attention
+masks, rotary tables) are allocated once, before the first block, so they belong to gap 0's
+bytes, not to every block's input. Buffers, RNG and ``.grad`` are left as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from autockpt.chain import Chain
+from autockpt.measure.allocator import MARK, open_session
+from autockpt.measure.losses import default_loss
+from autockpt.measure.memory import peak_and_net
+from autockpt.measure.profiling import Profile, measure_stage
+from autockpt.planners import StageCost
+from autockpt.sandbox import dry_run_state
+from autockpt.tensors import device_of, storage_bytes, storage_key, tensors_in
+
+__all__ = ["profile_blocks"]
+
+
+class _Step:
+    """Labelled markers in one allocator session, and what each labelled window saw."""
+
+    def __init__(self, device: torch.device, params: list[nn.Parameter]) -> None:
+        self.device = device
+        self.session = open_session(device) if device.type != "meta" else None
+        self.labels: list[str] = []
+        self.times: list[float] = []
+        self.params = params
+        self.grads: dict[str, int] = {}  # per backward window: parameter gradients it created
+        self._seen: set[int] = set()
+
+    def mark(self, label: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.labels and self.labels[-1].startswith("bwd"):
+            new = [p for p in self.params if p.grad is not None and id(p) not in self._seen]
+            self._seen.update(id(p) for p in new)
+            self.grads[self.labels[-1]] = storage_bytes(p.grad for p in new if p.grad is not None)
+        self.labels.append(label)
+        self.times.append(time.perf_counter())
+        if self.session is not None:
+            self.session.mark()
+
+    def windows(self) -> dict[str, tuple[int, int, float]]:
+        """(peak, net, ms) per label, the first window of each label."""
+        deltas = self.session.close() if self.session is not None else []
+        parts: list[list[int | None]] = [[]]
+        for d in deltas:
+            if d is MARK:
+                parts.append([])
+            else:
+                parts[-1].append(d)
+        out: dict[str, tuple[int, int, float]] = {}
+        for k, label in enumerate(self.labels[:-1]):
+            peak, net = peak_and_net(parts[k + 1]) if k + 1 < len(parts) else (0, 0)
+            out.setdefault(label, (peak, net, (self.times[k + 1] - self.times[k]) * 1e3))
+        return out
+
+
+def profile_blocks(
+    model: nn.Module,
+    chain: Chain,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    static_bytes: int,
+    *,
+    repeats: int = 3,
+) -> Profile:
+    """Profile a block-walked model: each block alone, and the gaps in one real step."""
+    device = device_of(model, [list(args), kwargs])
+    blocks = [stage.units[0].modules[0] for stage in chain.stages]
+    calls = [stage.units[0].fn for stage in chain.stages]
+    in_block = {id(p) for b in blocks for p in b.parameters()}
+    outside = [p for p in model.parameters() if p.requires_grad and id(p) not in in_block]
+    step = _Step(device, outside)
+    alone: dict[int, StageCost] = {}
+    inputs: dict[int, dict[int, int]] = {}  # per block: storage key -> bytes of its inputs
+    grads = [(p, p.grad) for p in model.parameters()]
+    forwards = [(b, "forward" in b.__dict__, b.__dict__.get("forward")) for b in blocks]
+    try:
+        with dry_run_state(model, [list(args), kwargs]):
+            for i, (block, call) in enumerate(zip(blocks, calls)):
+                block.__dict__["forward"] = _measuring_forward(i, block, call, step, alone, inputs, device, repeats)
+            step.mark("gap 0")
+            out = model(*args, **kwargs)
+            step.mark("loss")
+            loss = default_loss(out)
+            step.mark(f"bwd gap {len(blocks)}")
+            if loss.requires_grad:
+                loss.backward()
+            del loss, out
+            step.mark("end")
+            windows = step.windows()
+    finally:
+        for block, had, fwd in forwards:
+            block.__dict__.pop("forward", None)
+            if had:
+                block.__dict__["forward"] = fwd
+        for p, g in grads:
+            p.grad = g
+    return _assemble(chain, alone, inputs, windows, step.grads, static_bytes, device)
+
+
+def _measuring_forward(
+    i: int,
+    block: nn.Module,
+    call: Callable[[Any], Any],
+    step: _Step,
+    alone: dict[int, StageCost],
+    inputs: dict[int, dict[int, int]],
+    device: torch.device,
+    repeats: int,
+) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if i not in alone and torch.is_grad_enabled():
+            step.mark(f"measure {i}")  # the measurement's own allocations: a window to ignore
+            alone[i], _ = measure_stage(call, [block], (args, kwargs), device, repeats, grads_as_given=True)
+            inputs[i] = {storage_key(t): t.untyped_storage().nbytes() for t in tensors_in((args, kwargs))}
+        first_in = next((t for t in tensors_in((args, kwargs)) if t.requires_grad), None)
+        if first_in is not None and torch.is_grad_enabled():
+            first_in.register_hook(_marker(step, f"bwd gap {i}"))
+        step.mark(f"block {i}")
+        out = checkpoint(lambda *a, **k: call((a, k)), *args, use_reentrant=False, **kwargs)
+        first_out = next((t for t in tensors_in(out) if t.requires_grad), None)
+        if first_out is not None:
+            first_out.register_hook(_marker(step, f"bwd block {i}"))
+        step.mark(f"gap {i + 1}")
+        return out
+
+    return forward
+
+
+def _marker(step: _Step, label: str) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        step.mark(label)
+
+    return hook
+
+
+def _assemble(
+    chain: Chain,
+    alone: dict[int, StageCost],
+    inputs: dict[int, dict[int, int]],
+    windows: dict[str, tuple[int, int, float]],
+    grads: dict[str, int],
+    static_bytes: int,
+    device: torch.device,
+) -> Profile:
+    n = len(chain.stages)
+    missing = [chain.names[i] for i in range(n) if i not in alone]
+    if missing:
+        raise RuntimeError(
+            f"profile: blocks {missing} did not run with gradients enabled in a forward of the model, "
+            f"so they cannot be measured. Profile with the inputs you train with."
+        )
+    shared = {k for i in range(n) for k in inputs[i] if any(k in inputs[j] for j in range(n) if j != i)}
+    costs: list[StageCost] = []
+    names: list[str] = []
+    stage_of: list[int | None] = []
+    for i in range(n + 1):
+        prev_out = costs[-1].out_bytes if costs else 0
+        next_in = sum(b for k, b in inputs[i].items() if k not in shared) if i < n else 0
+        fwd_peak, fwd_net, fwd_ms = windows.get(f"gap {i}", (0, 0, 0.0))
+        bwd_peak, _, bwd_ms = windows.get(f"bwd gap {i}", (0, 0, 0.0))
+        costs.append(
+            StageCost(
+                fwd_ms=fwd_ms,
+                bwd_ms=bwd_ms,
+                in_bytes=prev_out,
+                out_bytes=next_in,
+                kept_bytes=max(0, fwd_net - next_in),
+                keeps_input=False,
+                keeps_output=False,
+                fwd_peak_bytes=max(fwd_peak, next_in),
+                bwd_peak_bytes=bwd_peak,
+                grad_bytes=grads.get(f"bwd gap {i}", 0),
+            )
+        )
+        names.append(_gap_name(chain.names, i))
+        stage_of.append(None)
+        if i < n:
+            costs.append(dataclasses.replace(alone[i], in_bytes=next_in))
+            names.append(chain.names[i])
+            stage_of.append(i)
+    return Profile("blocks", tuple(names), tuple(costs), static_bytes, str(device), stage_of=tuple(stage_of))
+
+
+def _gap_name(names: tuple[str, ...], i: int) -> str:
+    if i == 0:
+        return f"(before {names[0]})"
+    if i == len(names):
+        return f"(after {names[-1]})"
+    return f"(between {names[i - 1]} and {names[i]})"

@@ -1,0 +1,88 @@
+"""The dry run: run a chain's units once to learn what no attribute says.
+
+Which units write into their input in place (no segment boundary may sit in front of them,
+NOTE [In-place boundaries] in ``chain.py``), how many bytes each unit's input holds (what a
+checkpoint starting there keeps) and how many bytes each unit saves for backward. Callers
+run it inside :func:`autockpt.sandbox.dry_run_state`, so buffers and the RNG are untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from torch import nn
+
+from autockpt.chain import DryRun, Unit
+from autockpt.sandbox import dry_run_state
+from autockpt.tensors import cloned, detached, requiring_grad, storage_bytes, storage_key, tensors_in
+from autockpt.walkers import Walked
+
+__all__ = ["dry_run", "probe_units"]
+
+
+def dry_run(
+    model: nn.Module, walked: Walked, args: tuple[Any, ...], kwargs: dict[str, Any], *, where: str
+) -> DryRun | None:
+    """The dry run of ``model`` on these inputs, leaving no trace (``None`` for the block
+    walker, which has none: each block is checkpointed alone and keeps its own inputs)."""
+    if walked.walker == "blocks":
+        return None
+    x = walked.entry_value(args, kwargs, where=where)
+    with dry_run_state(model, x):
+        return probe_units(walked.units, x)
+
+
+def probe_units(units: Sequence[Unit], x: Any) -> DryRun:
+    """Dry-run ``units`` on ``x``: find inputs modified in place, and measure every input.
+
+    Index ``j`` is returned when running any unit ``i >= j`` changes the version counter
+    of unit ``j``'s input (directly or through a view of the same storage). The run keeps
+    only tensors that share storage with the current value, so it needs about one
+    activation of memory, not the whole forward pass. Gradients stay enabled (so modules
+    take their training paths) but the graph is cut after every unit.
+
+    The caller restores buffers and RNG around this call.
+    """
+    unsafe: set[int] = set()
+    sizes: list[int] = []
+    watched: list[tuple[int, torch.Tensor, int]] = []  # (unit index, tensor, version)
+    value = cloned(x)  # never mutate the caller's input
+    for i, unit in enumerate(units):
+        inputs = tensors_in(value)
+        keys = {storage_key(t) for t in inputs}
+        sizes.append(storage_bytes(inputs))
+        watched = [w for w in watched if storage_key(w[1]) in keys]
+        watched.extend((i, t, t._version) for t in inputs)
+        value = detached(unit.fn(value))
+        for j, t, version in watched:
+            if t._version != version:
+                unsafe.add(j)
+        watched = [(j, t, t._version) for j, t, _ in watched]
+    return DryRun(frozenset(unsafe), tuple(sizes), _saved_bytes(units, x))
+
+
+def _saved_bytes(units: Sequence[Unit], x: Any) -> tuple[int, ...]:
+    """Bytes each unit saves for backward (its input included when it keeps it).
+
+    A second pass, because autograd only saves what a gradient needs: every floating input
+    is made a fresh non-leaf that requires grad (a copy, so aliasing is not watched here).
+    """
+    out: list[int] = []
+    value = detached(x)
+    for unit in units:
+        value, _ = requiring_grad(value)
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
+            saved[storage_key(t)] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = unit.fn(value)
+        params = {storage_key(p) for m in unit.modules for p in m.parameters()}
+        out.append(sum(n for k, n in saved.items() if k not in params))
+        value = detached(result)
+    return tuple(out)

@@ -1,0 +1,159 @@
+"""Profiling a whole model: every stage of its chain, the loss, and a cache of both.
+
+:func:`profile` is the public entry point; planning calls :func:`model_profile` with the
+chain it already has. A chain of the sequential or graph walker is measured stage by stage
+(``autockpt.measure.profiling``); the block walker's model is measured as its blocks and
+the code between them (``autockpt.measure.blocks``), since only the model itself can run
+that code.
+
+Profiles are cached per model object and keyed by everything bytes depend on (stages,
+input and parameter shapes, dtypes, strides and devices, train/eval mode), so
+``make_plan(budget=...)`` followed by ``auto_checkpoint(budget=...)``, a retry at another
+budget, or a plan after :func:`profile` measure once. The loss is cached per ``loss_fn``
+object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autockpt.chain import Chain, build_chain
+from autockpt.measure.blocks import profile_blocks
+from autockpt.measure.dry_run import dry_run
+from autockpt.measure.losses import LossFn
+from autockpt.measure.profiling import Profile, measure_loss, profile_chain
+from autockpt.tensors import as_args, static_bytes, tensors_in
+from autockpt.walkers import Walked, walk
+
+__all__ = ["model_profile", "profile"]
+
+_PROFILES: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, Profile]] = weakref.WeakKeyDictionary()
+_LOSSES: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, int]] = weakref.WeakKeyDictionary()
+
+
+def model_profile(
+    model: nn.Module,
+    walked: Walked,
+    chain: Chain,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    loss_fn: LossFn | None,
+    where: str,
+    repeats: int = 3,
+    cached: bool = True,
+) -> Profile:
+    """The profile of ``chain`` on these inputs, with the loss's bytes, measured once."""
+    key = _key(model, chain, [list(args), kwargs])
+    per_model = _PROFILES.setdefault(model, {})
+    prof = per_model.get(key) if cached else None
+    if prof is None:
+        prof = _measure(model, walked, chain, args, kwargs, repeats, where)
+        per_model[key] = prof
+    return dataclasses.replace(prof, loss_bytes=_loss_bytes(model, key, args, kwargs, loss_fn, where))
+
+
+def _measure(
+    model: nn.Module,
+    walked: Walked,
+    chain: Chain,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    repeats: int,
+    where: str,
+) -> Profile:
+    static = static_bytes(model, [list(args), kwargs])
+    if walked.walker == "blocks":
+        return profile_blocks(model, chain, args, kwargs, static, repeats=repeats)
+    x = walked.entry_value(args, kwargs, where=where)
+    return profile_chain(model, chain, x, static, repeats=repeats)
+
+
+def _loss_bytes(
+    model: nn.Module,
+    key: Hashable,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: LossFn | None,
+    where: str,
+) -> int:
+    """The loss's bytes (:attr:`Profile.loss_bytes`), measured once per loss function object
+    (a new lambda is measured again: one forward)."""
+    per_model = _LOSSES.setdefault(model, {})
+    try:
+        return per_model[(key, loss_fn)]
+    except TypeError:  # an unhashable loss_fn: measure every time
+        return measure_loss(model, args, kwargs, loss_fn, where=where)
+    except KeyError:
+        per_model[(key, loss_fn)] = measure_loss(model, args, kwargs, loss_fn, where=where)
+        return per_model[(key, loss_fn)]
+
+
+def _key(model: nn.Module, chain: Chain, inputs: Any) -> Hashable:
+    return (chain.walker, chain.names, _signature(inputs), _signature(list(model.parameters())), model.training)
+
+
+def _signature(tree: Any) -> tuple[Hashable, ...]:
+    leaves = tensors_in(tree)
+    return tuple((tuple(v.shape), v.dtype, str(v.device), v.stride(), v.requires_grad) for v in leaves)
+
+
+def profile(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | torch.Tensor,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    mode: str | None = None,
+    loss_fn: LossFn | None = None,
+    repeats: int = 3,
+) -> Profile:
+    """Measure what every stage of ``model`` costs in one training step on these inputs.
+
+    A later ``make_plan`` or ``auto_checkpoint`` with a budget, on the same model and inputs
+    of the same shapes, plans from this profile instead of measuring again.
+
+    The device is the inputs'. On CPU and CUDA, bytes are allocator-level and times are
+    measured. On the **meta** device (a model built under ``with torch.device("meta"):``
+    and ``torch.empty(..., device="meta")`` inputs) nothing is allocated or run: bytes are
+    those of the tensors the stages would create (backend workspaces, such as oneDNN's in
+    NCHW convolution backward, are not seen) and times are nominal, from FLOP counts. This
+    plans models far larger than the machine; the plan then applies to the real model,
+    whose stage names are the same.
+
+    A model walked by blocks (one fx cannot trace) is profiled as its blocks, each alone on
+    the inputs the model hands it, and the code before, between and after them, measured
+    in one step of the model with every block checkpointed.
+
+    Args:
+        model: any model ``auto_checkpoint`` accepts (checkpointed or not).
+        example_inputs: positional inputs, a batch of the size you train with.
+        example_kwargs: keyword inputs.
+        mode: force a walker, as for :func:`auto_checkpoint`.
+        loss_fn: the loss you train with, from the model's output to a scalar
+            (``lambda out: F.cross_entropy(out, labels)``); its bytes are measured too,
+            because the loss runs when every saved activation is alive. By default a
+            weighted sum of the outputs (:func:`~autockpt.measure.losses.default_loss`).
+        repeats: timing repeats per stage (times are medians; bytes are exact).
+
+    Returns:
+        a :class:`Profile`; ``print`` it for a table, ``.to_json()`` for machines.
+
+    Examples:
+        >>> import autockpt, torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        >>> prof = autockpt.profile(model, (torch.randn(4, 8),))
+        >>> [c.in_bytes for c in prof.costs]
+        [128, 128, 128]
+    """
+    walked = walk(model, mode, where="profile")
+    args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
+    chain = build_chain(walked.walker, walked.units, dry_run(model, walked, args, kwargs, where="profile"))
+    return model_profile(
+        model, walked, chain, args, kwargs, loss_fn=loss_fn, where="profile", repeats=repeats, cached=False
+    )

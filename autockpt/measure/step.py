@@ -1,0 +1,83 @@
+"""One measured training step: forward, loss, backward, under :func:`track_memory`.
+
+``verify`` runs it on the unwrapped and the checkpointed model and compares what it
+returns; ``auto_checkpoint(..., check=True)`` uses :func:`measure_step` to hold a plan to its
+budget. Both leave the model exactly as it was (``autockpt.sandbox.preserved``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autockpt.measure.losses import LossFn, step_loss
+from autockpt.measure.memory import MemoryStats, track_memory
+from autockpt.sandbox import preserved
+from autockpt.tensors import device_of, requiring_grad, static_bytes, tensors_in
+
+__all__ = ["StepResult", "measure_step", "run_step"]
+
+
+@dataclass
+class StepResult:
+    """What one step produced (by name: outputs, input and parameter gradients, buffers),
+    and its memory."""
+
+    tensors: dict[str, torch.Tensor | None]
+    memory: MemoryStats
+
+
+def run_step(
+    model: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
+    loss_fn: LossFn | None = None,
+    *,
+    input_grads: bool = True,
+    where: str = "verify",
+) -> StepResult:
+    """One training step of ``model`` as it is now, measured.
+
+    With ``input_grads``, floating-point positional inputs are made to require gradients (on
+    copies), so their gradients can be compared; without, the inputs are used as given.
+    """
+    device = device_of(model, [list(args), kwargs or {}])
+    leaves: list[torch.Tensor] = []
+    if input_grads:
+        inputs, leaves = requiring_grad(list(args))
+    else:
+        inputs = list(args)
+    with track_memory(device) as mem:
+        out = model(*inputs, **(kwargs or {}))
+        loss = step_loss(out, loss_fn, where=where)
+        if loss.requires_grad:
+            loss.backward()
+        del loss
+    tensors: dict[str, torch.Tensor | None] = {}
+    for i, t in enumerate(tensors_in(out)):
+        tensors[f"output {i}"] = t.detach()
+    for i, leaf in enumerate(leaves):
+        tensors[f"grad of input {i}"] = leaf.grad
+    for name, p in model.named_parameters():
+        tensors[f"grad of {name}"] = p.grad
+    for name, b in model.named_buffers():
+        tensors[f"buffer {name}"] = b.detach().clone()
+    return StepResult(tensors, mem)
+
+
+def measure_step(
+    model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None = None, loss_fn: LossFn | None = None
+) -> int:
+    """Allocator-level peak of one training step of ``model`` as it is now, parameters,
+    buffers and inputs included; the model is left exactly as it was. The inputs are used as
+    they are: unlike :func:`verify`, no input gradient is computed unless one is asked for."""
+    with preserved(model, [list(args), kwargs]) as fresh:
+        fresh()
+        run_step(model, args, kwargs, loss_fn, input_grads=False)  # warm-up
+        fresh()
+        step = run_step(model, args, kwargs, loss_fn, input_grads=False)
+    return static_bytes(model, [list(args), kwargs]) + step.memory.peak_bytes

@@ -1,0 +1,90 @@
+"""Walking a model: finding the chain of units its forward runs through.
+
+Three walkers, tried in this order unless the caller forces one (``mode=``):
+``sequential`` (an ``nn.Sequential``, nested ones flattened), ``graph`` (a ``torch.fx``
+trace cut where one tensor crosses) and ``blocks`` (the repeated blocks of a model fx
+cannot trace). A walker that does not apply says why; only the tracer's own failure moves
+on to the next walker, so a bug in autockpt's cutting code raises instead of hiding behind
+a fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from autockpt.chain import Unit
+from autockpt.errors import AutockptError
+from autockpt.walkers.blocks import block_unit, find_blocks
+from autockpt.walkers.graph import GraphProgram, TraceFailure, trace_program, units_of
+from autockpt.walkers.sequential import is_sequential_model, sequential_units
+
+__all__ = ["WALKERS", "Walked", "walk"]
+
+WALKERS = ("sequential", "graph", "blocks")
+
+
+@dataclass(frozen=True, eq=False)
+class Walked:
+    """The units a walker found, and why earlier walkers were passed over."""
+
+    walker: str
+    units: tuple[Unit, ...]
+    program: GraphProgram | None = None
+    notes: tuple[str, ...] = ()
+
+    def entry_value(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, where: str) -> Any:
+        """What the chain's first unit receives for a call ``model(*args, **kwargs)``.
+
+        The sequential walker's chain takes the one input, the graph walker's the dict of
+        inputs by placeholder, and the block walker's the call itself, ``(args, kwargs)``
+        (its blocks see their inputs only while the model runs).
+
+        Raises:
+            TypeError: the inputs do not fit the model's forward.
+        """
+        if self.program is not None:
+            return self.program.bind(args, kwargs)
+        if self.walker == "blocks":
+            return (args, kwargs)
+        if len(args) != 1 or kwargs:
+            given = f"{len(args)} positional" + (f" and keyword {sorted(kwargs)}" if kwargs else "")
+            raise TypeError(
+                f"{where}: an nn.Sequential takes one input, got {given} example inputs. "
+                f"Pass example_inputs=(x,)."
+            )
+        return args[0]
+
+
+def walk(model: nn.Module, mode: str | None, *, where: str) -> Walked:
+    """Find the model's units with the forced walker, or the first one that applies.
+
+    Raises:
+        ValueError: ``mode`` is not a walker name.
+        AutockptError: no walker applies (the message gives each one's reason).
+    """
+    if mode is not None and mode not in WALKERS:
+        names = ", ".join(map(repr, WALKERS))
+        raise ValueError(f"{where}: mode={mode!r} is not a walker. Use one of {names}.")
+    reasons: list[str] = []
+    for name in [mode] if mode else WALKERS:
+        if name == "sequential":
+            if is_sequential_model(model):
+                return Walked("sequential", sequential_units(model, where=where), notes=tuple(reasons))
+            reasons.append(f"sequential walker: {type(model).__name__} is not an nn.Sequential")
+        elif name == "graph":
+            try:
+                program = trace_program(model)
+            except TraceFailure as failure:
+                reasons.append(f"graph walker: torch.fx could not trace it ({failure})")
+            else:
+                return Walked("graph", units_of(program), program, tuple(reasons))
+        else:
+            blocks = find_blocks(model)
+            if blocks:
+                units = tuple(block_unit(path, block) for path, block in blocks)
+                return Walked("blocks", units, notes=tuple(reasons))
+            reasons.append("block walker: no ModuleList or Sequential holds two blocks of one class")
+    raise AutockptError(f"{where}: cannot walk {type(model).__name__}. " + "; ".join(reasons) + ".")
