@@ -16,8 +16,7 @@ NOTE [Which segments are recomputed]
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 

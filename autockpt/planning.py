@@ -66,6 +66,8 @@ def prepare(
     finds the same units and no example inputs are given.
     """
     _check_arguments(segments, budget, example_inputs, example_kwargs, loss_fn, where)
+    if isinstance(segments, Plan) and mode is None:
+        mode = segments.walker  # a plan applies to the stages its walker found
     walked = walk(model, mode, where=where)
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     has_inputs = example_inputs is not None or bool(example_kwargs)
@@ -75,9 +77,12 @@ def prepare(
     if budget is not None:
         prof = model_profile(model, walked, chain, args, kwargs, loss_fn=loss_fn, where=where)
         assert prof.loss_bytes is not None
-        unwrapped = prof.static_bytes + predict(
-            (Segment(0, len(prof.costs), False),), prof.costs, loss_bytes=prof.loss_bytes
-        ).peak_bytes
+        unwrapped = (
+            prof.static_bytes
+            + predict(
+                (Segment(0, len(prof.costs), False),), prof.costs, loss_bytes=prof.loss_bytes
+            ).peak_bytes
+        )
         costs = BudgetCosts(
             profile=prof,
             budget_bytes=parse_budget(budget, unwrapped_bytes=unwrapped, where=where),
@@ -191,7 +196,9 @@ def build_plan(
 
 def _spec_segments(chain: Chain, spec: SegmentsSpec, where: str) -> tuple[tuple[Segment, ...], str]:
     n = len(chain.stages)
-    request = PlanRequest(stage_names=chain.names, input_bytes=chain.input_bytes, saved_bytes=chain.saved_bytes)
+    request = PlanRequest(
+        stage_names=chain.names, input_bytes=chain.input_bytes, saved_bytes=chain.saved_bytes
+    )
     if isinstance(spec, int):
         if not 1 <= spec <= n:
             raise ValueError(
@@ -205,6 +212,8 @@ def _spec_segments(chain: Chain, spec: SegmentsSpec, where: str) -> tuple[tuple[
         if chain.walker == "blocks" and spec.strip().lower() == "sqrt":
             return _spread(n, sqrt_segment_count(n)), "sqrt"
         return run_planner(get_planner(spec, where=where), request, where=where), spec.strip().lower()
+    if isinstance(spec, Plan):  # build_plan passes plans through before asking for segments
+        raise TypeError(f"{where}: a Plan has its segments already")
     return run_planner(spec, request, where=where), getattr(spec, "__name__", type(spec).__name__)
 
 
@@ -283,4 +292,3 @@ def _fusion_notes(chain: Chain) -> list[str]:
     if not fused:
         return []
     return [f"fused with their predecessor (in-place input): {', '.join(fused)}"]
-

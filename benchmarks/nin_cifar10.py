@@ -53,9 +53,9 @@ from tqdm import tqdm
 import autockpt
 from autockpt.cli import budget_arg
 from autockpt.plan import Segment
-from autockpt.units import format_bytes
 from autockpt.planners.budget import predict
 from autockpt.planning import describe_peak
+from autockpt.units import format_bytes
 
 FORMATS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
 

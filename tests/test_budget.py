@@ -328,7 +328,9 @@ def test_a_model_is_profiled_once_per_input_signature(monkeypatch: pytest.Monkey
     calls: list[tuple[int, ...]] = []
     real = planning.profile_chain
 
-    def counting(model: nn.Module, chain: object, x: torch.Tensor, static: int, **kw: object) -> autockpt.Profile:
+    def counting(
+        model: nn.Module, chain: object, x: torch.Tensor, static: int, **kw: object
+    ) -> autockpt.Profile:
         calls.append(tuple(x.shape))
         return real(model, chain, x, static, **kw)  # type: ignore[arg-type]
 

@@ -52,7 +52,9 @@ class FakeAllocator:
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", refuse)
         monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: self.recording, raising=False)
         monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", self._record)
-        monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda device=None: {"device_traces": [self.trace]})
+        monkeypatch.setattr(
+            torch.cuda.memory, "_snapshot", lambda device=None: {"device_traces": [self.trace]}
+        )
         monkeypatch.setattr(allocator._CudaRecorder, "_mark_allocation", self._mark)
         monkeypatch.setattr(allocator, "_RECORDERS", {})
 

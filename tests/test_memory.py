@@ -44,17 +44,17 @@ def test_allocator_level_sees_workspaces_the_tensor_level_misses() -> None:
 
 
 def test_nested_cpu_windows_each_see_their_block() -> None:
-    MiB = 2**20
+    mib = 2**20
     with autockpt.track_memory("cpu") as outer:
-        a = torch.ones(MiB // 4)  # 1 MiB, outer only
+        a = torch.ones(mib // 4)  # 1 MiB, outer only
         with autockpt.track_memory("cpu") as inner:
-            b = torch.ones(MiB // 2)  # 2 MiB, both
+            b = torch.ones(mib // 2)  # 2 MiB, both
             del b
-        c = torch.ones(MiB // 4)  # 1 MiB, outer only
+        c = torch.ones(mib // 4)  # 1 MiB, outer only
         del a, c
-    assert inner.peak_bytes == 2 * MiB and inner.allocated_bytes == 0
-    assert outer.peak_bytes == 3 * MiB and outer.allocated_bytes == 0
-    assert inner.tensor_peak_bytes == 2 * MiB and outer.tensor_peak_bytes == 3 * MiB
+    assert inner.peak_bytes == 2 * mib and inner.allocated_bytes == 0
+    assert outer.peak_bytes == 3 * mib and outer.allocated_bytes == 0
+    assert inner.tensor_peak_bytes == 2 * mib and outer.tensor_peak_bytes == 3 * mib
 
 
 def test_a_profiler_the_caller_runs_is_refused_clearly() -> None:

@@ -49,6 +49,7 @@ class BlockForward:
             return self.call((args, kwargs))
         return run_segments((self.runtime,), (args, kwargs))
 
+
 logger = logging.getLogger(__name__)
 
 

@@ -79,9 +79,17 @@ class _Recorder:
             self._begin()
 
     def _deliver(self, *, final: bool) -> None:
+        """Hand the events recorded since the last change of nesting to every open session.
+
+        Every change of nesting ends a recording interval, so all markers of an interval were
+        left by the session innermost during it: only that session keeps them.
+        """
         deltas = self._end(final=final)
-        for session in self.open:
-            session.deltas.extend(deltas)
+        plain = [d for d in deltas if d is not MARK]
+        for session in self.open[:-1]:
+            session.deltas.extend(plain)
+        if self.open:
+            self.open[-1].deltas.extend(deltas)
 
     def mark(self) -> None:
         raise NotImplementedError

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from autockpt.chain import Chain
@@ -107,7 +108,9 @@ def profile_blocks(
     try:
         with dry_run_state(model, [list(args), kwargs]):
             for i, (block, call) in enumerate(zip(blocks, calls)):
-                block.__dict__["forward"] = _measuring_forward(i, block, call, step, alone, inputs, device, repeats)
+                block.__dict__["forward"] = _measuring_forward(
+                    i, block, call, step, alone, inputs, device, repeats
+                )
             step.mark("gap 0")
             out = model(*args, **kwargs)
             step.mark("loss")
@@ -145,7 +148,13 @@ def _measuring_forward(
             inputs[i] = {storage_key(t): t.untyped_storage().nbytes() for t in tensors_in((args, kwargs))}
         first_in = next((t for t in tensors_in((args, kwargs)) if t.requires_grad), None)
         if first_in is not None and torch.is_grad_enabled():
-            first_in.register_hook(_marker(step, f"bwd gap {i}"))
+            # A view of its own, so this hook fires before any hook on the tensor itself (the
+            # previous block's output, whose hook opens that block's backward window).
+            alias = first_in.view_as(first_in)
+            alias.register_hook(_marker(step, f"bwd gap {i}"))
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: alias if t is first_in else t, (args, kwargs)
+            )
         step.mark(f"block {i}")
         out = checkpoint(lambda *a, **k: call((a, k)), *args, use_reentrant=False, **kwargs)
         first_out = next((t for t in tensors_in(out) if t.requires_grad), None)
@@ -198,7 +207,7 @@ def _assemble(
                 kept_bytes=max(0, fwd_net - next_in),
                 keeps_input=False,
                 keeps_output=False,
-                fwd_peak_bytes=max(fwd_peak, next_in),
+                fwd_peak_bytes=fwd_peak,
                 bwd_peak_bytes=bwd_peak,
                 grad_bytes=grads.get(f"bwd gap {i}", 0),
             )

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
 from torch import nn
 
 from autockpt.chain import DryRun, Unit

@@ -172,7 +172,8 @@ class Windows:
                     windows.append([])
                 else:
                     windows[-1].append(nbytes)
-            self.result = [(0, 0), *(peak_and_net(w) for w in windows[1:])] if len(windows) > 1 else []
+            # windows[k] lies between marks k and k + 1; the one after the last mark is not a window
+            self.result = [(0, 0), *(peak_and_net(w) for w in windows[1:-1])] if len(windows) > 1 else []
         if self.tensors is not None:
             self.tensors.__exit__(None, None, None)
 

@@ -96,7 +96,13 @@ def _loss_bytes(
 
 
 def _key(model: nn.Module, chain: Chain, inputs: Any) -> Hashable:
-    return (chain.walker, chain.names, _signature(inputs), _signature(list(model.parameters())), model.training)
+    return (
+        chain.walker,
+        chain.names,
+        _signature(inputs),
+        _signature(list(model.parameters())),
+        model.training,
+    )
 
 
 def _signature(tree: Any) -> tuple[Hashable, ...]:

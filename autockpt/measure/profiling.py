@@ -80,7 +80,9 @@ class Profile:
                 "loss_bytes": self.loss_bytes,
                 "stages": [
                     {"name": n, **c.to_dict(), **({"block": b} if self.stage_of is not None else {})}
-                    for n, c, b in zip(self.stage_names, self.costs, self.stage_of or [None] * len(self.costs))
+                    for n, c, b in zip(
+                        self.stage_names, self.costs, self.stage_of or [None] * len(self.costs)
+                    )
                 ],
             },
             indent=2,

@@ -101,7 +101,9 @@ class _Model:
 
     def longest(self, s: int) -> int:
         """One past the last stage a checkpointed segment starting at ``s`` may end at."""
-        span = _max_segment(len(self.c)) if self.spans is None else min(self.spans[s], _max_segment(len(self.c)))
+        span = (
+            _max_segment(len(self.c)) if self.spans is None else min(self.spans[s], _max_segment(len(self.c)))
+        )
         return s + span
 
     def loss(self, kept: bool) -> int:

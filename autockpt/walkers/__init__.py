@@ -18,7 +18,7 @@ from torch import nn
 from autockpt.chain import Unit
 from autockpt.errors import AutockptError
 from autockpt.walkers.blocks import block_unit, find_blocks
-from autockpt.walkers.graph import GraphProgram, TraceFailure, trace_program, units_of
+from autockpt.walkers.graph import GraphProgram, UntraceableError, trace_program, units_of
 from autockpt.walkers.sequential import is_sequential_model, sequential_units
 
 __all__ = ["WALKERS", "Walked", "walk"]
@@ -77,7 +77,7 @@ def walk(model: nn.Module, mode: str | None, *, where: str) -> Walked:
         elif name == "graph":
             try:
                 program = trace_program(model)
-            except TraceFailure as failure:
+            except UntraceableError as failure:
                 reasons.append(f"graph walker: torch.fx could not trace it ({failure})")
             else:
                 return Walked("graph", units_of(program), program, tuple(reasons))

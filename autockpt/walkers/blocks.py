@@ -4,7 +4,8 @@ Data-dependent control flow or HF-style wrappers defeat tracing, but such models
 almost always a stack of identical blocks (transformer layers, residual blocks) held in a
 ``ModuleList`` or ``Sequential``. Each block becomes one stage and is checkpointed on its
 own, by giving the block object an instance ``forward`` (as ``auto_checkpoint`` does for
-the root; ``autockpt.execution.forward.BlockForward``), so no module is wrapped or renamed. The rest of the model runs as written.
+the root; ``autockpt.execution.forward.BlockForward``), so no module is wrapped or
+renamed. The rest of the model runs as written.
 
 Which blocks: among all groups of two or more same-class children of one ``ModuleList`` or
 ``Sequential``, the groups holding the most parameters are taken first, skipping groups

@@ -29,14 +29,14 @@ from torch import fx, nn
 
 from autockpt.chain import Unit
 
-__all__ = ["GraphProgram", "TraceFailure", "UnbindableError", "trace_program", "units_of"]
+__all__ = ["GraphProgram", "UnbindableError", "UntraceableError", "trace_program", "units_of"]
 
 
 class UnbindableError(Exception):
     """An argument is ``None`` where the traced graph computes with it (an optional input)."""
 
 
-class TraceFailure(Exception):
+class UntraceableError(Exception):
     """``torch.fx`` could not trace the model (the walker then tries the next one)."""
 
 
@@ -333,7 +333,7 @@ def trace_program(model: nn.Module) -> GraphProgram:
     """Trace ``model`` with ``torch.fx``.
 
     Raises:
-        TraceFailure: tracing failed. Tracing runs the model's own code on proxies, so any
+        UntraceableError: tracing failed. Tracing runs the model's own code on proxies, so any
             exception it raises means "not traceable"; its type and first line are kept.
     """
     program = GraphProgram(model)
@@ -341,7 +341,7 @@ def trace_program(model: nn.Module) -> GraphProgram:
         graph = _Tracer().trace(model)
     except Exception as err:  # the model's code, run on proxies, may raise anything
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise TraceFailure(f"{type(err).__name__}: {first}") from err
+        raise UntraceableError(f"{type(err).__name__}: {first}") from err
     program.load(graph)
     return program
 
