@@ -222,13 +222,16 @@ def _budget_segments(
 ) -> tuple[tuple[Segment, ...], dict[str, Any]]:
     """Segments of the least-recompute plan under the budget, in the chain's stages."""
     prof = budget.profile
+    spans = prof.checkpoint_spans
+    if chain.first_unit_unsafe and spans is None:  # segment 0 stays plain: a constraint, not a repair
+        spans = (0, *([len(prof.costs)] * (len(prof.costs) - 1)))
     request = PlanRequest(
         stage_names=prof.stage_names,
         costs=prof.costs,
         budget_bytes=budget.budget_bytes,
         static_bytes=prof.static_bytes,
         loss_bytes=prof.loss_bytes,
-        checkpoint_spans=prof.checkpoint_spans,
+        checkpoint_spans=spans,
         input_bytes=chain.input_bytes if prof.stage_of is None else None,
         saved_bytes=chain.saved_bytes if prof.stage_of is None else None,
     )

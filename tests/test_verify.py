@@ -83,3 +83,49 @@ def test_verify_takes_keyword_inputs() -> None:
     idx = torch.randint(0, 50, (2, 8))
     report = autockpt.verify(gpt, (idx,), example_kwargs={"attention_mask": torch.ones(2, 8, dtype=D)})
     assert report.ok and report.plan.walker == "graph" and report.plan.checkpointed_segments > 0
+
+
+class BufferCounter(nn.Module):
+    """Writes how often it ran into a buffer; its output is its input, untouched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.seen.fill_(self.calls)
+        return x
+
+
+def test_verify_compares_buffers() -> None:
+    # checkpointing runs the module more often (the dry run), so only the buffer differs
+    model = nn.Sequential(nn.Linear(3, 3), BufferCounter(), nn.Tanh(), nn.Linear(3, 3), nn.Tanh()).to(D)
+    report = autockpt.verify(model, (torch.randn(2, 3, dtype=D),), segments=2)
+    assert report.mismatches == ("buffer 1.seen",)
+    assert report.buffer_max_abs_diff > 0 and report.output_max_abs_diff == 0.0
+
+
+def test_verify_compares_outputs() -> None:
+    # the counter sits in the last, plain segment: gradients agree, the output does not
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3), CallCounter()).to(D)
+    report = autockpt.verify(model, (torch.randn(2, 3, dtype=D),), segments=2)
+    assert "output 0" in report.mismatches and report.output_max_abs_diff > 0
+
+
+def test_verify_on_a_block_walked_model_leaves_no_forward_behind() -> None:
+    from models_for_tests import BranchyGPT
+
+    gpt = BranchyGPT(width=16, layers=3, heads=2, context=8).to(D)
+    idx, mask = torch.randint(0, 50, (2, 8)), torch.ones(2, 8, dtype=D)
+    report = autockpt.verify(gpt, (idx, mask), segments=2)
+    assert report.ok and report.plan.walker == "blocks"
+    assert not any("forward" in vars(m) for m in gpt.modules())
+    autockpt.auto_checkpoint(gpt, 2, example_inputs=(idx, mask))
+    installed = {name for name, m in gpt.named_modules() if "forward" in vars(m)}
+    assert installed and all(name == "" or name.startswith("blocks.") for name in installed)
+    autockpt.verify(gpt, (idx, mask), segments=3)
+    assert {name for name, m in gpt.named_modules() if "forward" in vars(m)} == installed
+    autockpt.restore(gpt)
+    assert not any("forward" in vars(m) for m in gpt.modules())

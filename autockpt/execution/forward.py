@@ -74,7 +74,6 @@ class CheckpointedForward:
         self.spec = spec
         self.probe = probe
         self.original_forward = original_forward
-        self.blocks: list[nn.Module] = []
         self.warned_unbindable = False
         self.runtime: tuple[SegmentRuntime, ...] = ()
         self._bind(chain)
@@ -86,25 +85,34 @@ class CheckpointedForward:
 
     def _bind(self, chain: Chain) -> None:
         """Build the runtime for the current plan; for blocks, install their forwards."""
-        self.runtime = build_runtime(self.plan.segments, chain.stages)
-        if self.walked.walker != "blocks":
-            return
         self.remove_blocks()
+        self.runtime = build_runtime(self.plan.segments, chain.stages)
+        for rt, call in self._block_runtimes():
+            call.block.__dict__["forward"] = BlockForward(rt, call)
+
+    def _block_runtimes(self) -> list[tuple[SegmentRuntime, BlockCall]]:
+        """The checkpointed blocks of the block walker's plan, with their runtimes."""
+        if self.walked.walker != "blocks":
+            return []
+        out = []
         for rt in self.runtime:
-            if rt.segment.checkpoint:
-                (unit,) = rt.stages[0].units
-                call = unit.fn
-                assert isinstance(call, BlockCall)
-                call.block.__dict__["forward"] = BlockForward(rt, call)
-                self.blocks.append(call.block)
+            unit = rt.stages[0].units[0]
+            if rt.segment.checkpoint and isinstance(unit.fn, BlockCall):
+                out.append((rt, unit.fn))
+        return out
 
     def remove_blocks(self) -> None:
-        """Give checkpointed blocks their own forward back."""
-        for block in self.blocks:
-            fwd = block.__dict__.pop("forward", None)
-            if isinstance(fwd, BlockForward) and fwd.call.original is not None:
-                block.__dict__["forward"] = fwd.call.original
-        self.blocks = []
+        """Give checkpointed blocks their own forward back.
+
+        The blocks are found from the plan's runtime, not from a list kept on the side, so
+        a forward put back by ``verify`` (``autockpt.sandbox.preserved``) is still found.
+        """
+        for rt, call in self._block_runtimes():
+            fwd = call.block.__dict__.get("forward")
+            if isinstance(fwd, BlockForward) and fwd.runtime is rt:
+                del call.block.__dict__["forward"]
+                if call.original is not None:
+                    call.block.__dict__["forward"] = call.original
 
     def _plain(self, *args: Any, **kwargs: Any) -> Any:
         if self.original_forward is not None:
