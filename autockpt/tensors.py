@@ -25,6 +25,7 @@ __all__ = [
     "static_bytes",
     "storage_bytes",
     "storage_key",
+    "storage_sizes",
     "tensors_in",
 ]
 
@@ -46,8 +47,12 @@ def storage_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[int] = ()) 
     allocated while any of them is alive.
     """
     skip = set(exclude)
-    seen = {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
-    return sum(n for k, n in seen.items() if k not in skip)
+    return sum(n for k, n in storage_sizes(tensors).items() if k not in skip)
+
+
+def storage_sizes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Bytes of each distinct storage behind ``tensors``, by :func:`storage_key`."""
+    return {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
 
 
 def static_bytes(model: nn.Module, inputs: Any) -> int:
@@ -99,7 +104,7 @@ def device_of(
     """The device a step of ``model`` on ``inputs`` runs on.
 
     One precedence everywhere: an explicit ``device``, else the first input tensor's device,
-    else the first parameter's, else the first buffer's, else the CPU. CUDA being initialised
+    else the first parameter's, else the first buffer's, else the CPU. CUDA being initialized
     says nothing about where this model runs, so it is never consulted.
     """
     if device is not None:

@@ -3,7 +3,7 @@
 Each test here failed before the redesign: budgets on block-walked models (positional and
 keyword inputs), budgets on a model whose first module writes into its input, the CLI
 reporting internal errors as usage errors, a cutting bug hidden behind the block walker,
-and a device synchronisation on every checkpointed segment call.
+and a device synchronization on every checkpointed segment call.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from autockpt.measure.memory import peak_and_net
 from autockpt.measure.profiling import Profile, measure_stage
 from autockpt.planners import StageCost
 from autockpt.sandbox import dry_run_state
-from autockpt.tensors import device_of, storage_bytes, storage_key, tensors_in
+from autockpt.tensors import device_of, storage_bytes, storage_sizes, tensors_in
 
 __all__ = ["profile_blocks"]
 
@@ -145,7 +145,7 @@ def _measuring_forward(
         if i not in alone and torch.is_grad_enabled():
             step.mark(f"measure {i}")  # the measurement's own allocations: a window to ignore
             alone[i], _ = measure_stage(call, [block], (args, kwargs), device, repeats, grads_as_given=True)
-            inputs[i] = {storage_key(t): t.untyped_storage().nbytes() for t in tensors_in((args, kwargs))}
+            inputs[i] = storage_sizes(tensors_in((args, kwargs)))
         first_in = next((t for t in tensors_in((args, kwargs)) if t.requires_grad), None)
         if first_in is not None and torch.is_grad_enabled():
             # A view of its own, so this hook fires before any hook on the tensor itself (the

@@ -16,7 +16,15 @@ from torch import nn
 
 from autockpt.chain import DryRun, Unit
 from autockpt.sandbox import dry_run_state
-from autockpt.tensors import cloned, detached, requiring_grad, storage_bytes, storage_key, tensors_in
+from autockpt.tensors import (
+    cloned,
+    detached,
+    requiring_grad,
+    storage_bytes,
+    storage_key,
+    storage_sizes,
+    tensors_in,
+)
 from autockpt.walkers import Walked
 
 __all__ = ["dry_run", "probe_units"]
@@ -76,7 +84,7 @@ def _saved_bytes(units: Sequence[Unit], x: Any) -> tuple[int, ...]:
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
-            saved[storage_key(t)] = t.untyped_storage().nbytes()
+            saved.update(storage_sizes([t]))
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -196,7 +196,7 @@ class track_memory:  # noqa: N801  (a context manager used like a function, as t
 
     Args:
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; by default the device of ``inputs``,
-            else of ``model``, else the CPU (whether CUDA is initialised plays no part).
+            else of ``model``, else the CPU (whether CUDA is initialized plays no part).
         model: the model whose step is measured, to take the device from.
         inputs: its inputs (any nested structure of tensors), to take the device from.
         tensors: also count tensor storages (a dispatch mode; slows eager code, and

@@ -25,7 +25,15 @@ from autockpt.measure.losses import LossFn, step_loss
 from autockpt.measure.memory import Windows
 from autockpt.planners.budget import StageCost
 from autockpt.sandbox import dry_run_state
-from autockpt.tensors import cloned, device_of, requiring_grad, storage_bytes, storage_key, tensors_in
+from autockpt.tensors import (
+    cloned,
+    device_of,
+    requiring_grad,
+    storage_bytes,
+    storage_key,
+    storage_sizes,
+    tensors_in,
+)
 from autockpt.units import format_bytes
 
 __all__ = ["Profile", "StageRun", "measure_loss", "measure_stage", "profile_chain"]
@@ -46,7 +54,7 @@ class Profile:
         device: where it was measured.
         loss_bytes: what the loss needs on top of the model's output, from its forward
             through its backward down to the output's gradient (that gradient included):
-            measured for the ``loss_fn`` given, or for :func:`~autockpt.losses.default_loss`.
+            measured for the ``loss_fn`` given, or for :func:`~autockpt.measure.losses.default_loss`.
             ``None`` when not measured; planners then assume two tensors the size of the
             output.
         stage_of: for the block walker, which block each profiled stage is (``None`` for
@@ -146,7 +154,7 @@ def measure_stage(
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[storage_key(t)] = t.untyped_storage().nbytes()
+        saved.update(storage_sizes([t]))
         return t
 
     with Windows(device) as windows:
@@ -176,7 +184,7 @@ def measure_stage(
         windows.mark()
         del loss, seeds  # the seeds lived through the backward: a real step frees no such thing
     (fwd_peak, fwd_net), (bwd_peak, _) = windows.result[1], windows.result[3]
-    grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
+    grad_bytes = storage_bytes(p.grad for p in params if p.grad is not None)
     for p in params:
         p.grad = None
     cost = StageCost(

@@ -68,7 +68,7 @@ class BlockCall:
 
 
 def block_unit(name: str, block: nn.Module) -> Unit:
-    """A unit for one block; its in-place behaviour is not probed (see docs/design.md)."""
+    """A unit for one block; its in-place behavior is not probed (see docs/design.md)."""
     previous = block.__dict__.get("forward")
     if getattr(previous, INSTALLED_MARK, False):  # planned again: call what was there before us
         call = getattr(previous, "call", None)

@@ -6,7 +6,7 @@ point of the data flow, e.g. between residual blocks). Values that every later p
 read without costing extra memory do not count: model inputs, parameters, values computed
 from those alone by plain functions (attention masks, position ids), and values whose only
 reader is the model's output (auxiliary logits). Nodes between two candidate cuts form one
-:class:`~autockpt.walk.Unit`, so glue code (residual adds, reshapes, ``getitem``) stays with
+:class:`~autockpt.chain.Unit`, so glue code (residual adds, reshapes, ``getitem``) stays with
 the block that owns it.
 
 At run time the value carried from unit to unit is a dict of the live values by node name,
