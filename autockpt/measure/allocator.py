@@ -187,7 +187,8 @@ class _CudaRecorder(_Recorder):
         return list(traces[index]) if index < len(traces) else []
 
     def _begin(self) -> None:
-        if not self.open[:-1] and not torch._C._cuda_isHistoryEnabled():
+        recording = getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)  # not in every torch
+        if not self.open[:-1] and not recording():
             torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
             self._owned = True
         torch.cuda.synchronize(self.device)
