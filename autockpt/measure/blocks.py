@@ -34,9 +34,8 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from autockpt.chain import Chain
-from autockpt.measure.allocator import MARK, open_session
 from autockpt.measure.losses import default_loss
-from autockpt.measure.memory import peak_and_net
+from autockpt.measure.memory import Windows
 from autockpt.measure.profiling import Profile, measure_stage
 from autockpt.planners import StageCost
 from autockpt.sandbox import dry_run_state
@@ -46,11 +45,10 @@ __all__ = ["profile_blocks"]
 
 
 class _Step:
-    """Labelled markers in one allocator session, and what each labelled window saw."""
+    """Labelled markers in one set of allocator windows, and what each labelled window saw."""
 
-    def __init__(self, device: torch.device, params: list[nn.Parameter]) -> None:
-        self.device = device
-        self.session = open_session(device) if device.type != "meta" else None
+    def __init__(self, windows: Windows, params: list[nn.Parameter]) -> None:
+        self.windows = windows
         self.labels: list[str] = []
         self.times: list[float] = []
         self.params = params
@@ -58,29 +56,22 @@ class _Step:
         self._seen: set[int] = set()
 
     def mark(self, label: str) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.windows.device.type == "cuda":
+            torch.cuda.synchronize(self.windows.device)
         if self.labels and self.labels[-1].startswith("bwd"):
             new = [p for p in self.params if p.grad is not None and id(p) not in self._seen]
             self._seen.update(id(p) for p in new)
             self.grads[self.labels[-1]] = storage_bytes(p.grad for p in new if p.grad is not None)
         self.labels.append(label)
         self.times.append(time.perf_counter())
-        if self.session is not None:
-            self.session.mark()
+        self.windows.mark()
 
-    def windows(self) -> dict[str, tuple[int, int, float]]:
-        """(peak, net, ms) per label, the first window of each label."""
-        deltas = self.session.close() if self.session is not None else []
-        parts: list[list[int | None]] = [[]]
-        for d in deltas:
-            if d is MARK:
-                parts.append([])
-            else:
-                parts[-1].append(d)
+    def by_label(self) -> dict[str, tuple[int, int, float]]:
+        """(peak, net, ms) per label, the first window of each label (after the windows closed)."""
+        result = self.windows.result
         out: dict[str, tuple[int, int, float]] = {}
-        for k, label in enumerate(self.labels[:-1]):
-            peak, net = peak_and_net(parts[k + 1]) if k + 1 < len(parts) else (0, 0)
+        for k, label in enumerate(self.labels[:-1]):  # window k + 1 lies between marks k and k + 1
+            peak, net = result[k + 1] if k + 1 < len(result) else (0, 0)
             out.setdefault(label, (peak, net, (self.times[k + 1] - self.times[k]) * 1e3))
         return out
 
@@ -100,13 +91,13 @@ def profile_blocks(
     calls = [stage.units[0].fn for stage in chain.stages]
     in_block = {id(p) for b in blocks for p in b.parameters()}
     outside = [p for p in model.parameters() if p.requires_grad and id(p) not in in_block]
-    step = _Step(device, outside)
     alone: dict[int, StageCost] = {}
     inputs: dict[int, dict[int, int]] = {}  # per block: storage key -> bytes of its inputs
     grads = [(p, p.grad) for p in model.parameters()]
     forwards = [(b, "forward" in b.__dict__, b.__dict__.get("forward")) for b in blocks]
     try:
-        with dry_run_state(model, [list(args), kwargs]):
+        with dry_run_state(model, [list(args), kwargs]), Windows(device) as windows:
+            step = _Step(windows, outside)
             for i, (block, call) in enumerate(zip(blocks, calls)):
                 block.__dict__["forward"] = _measuring_forward(
                     i, block, call, step, alone, inputs, device, repeats
@@ -120,7 +111,6 @@ def profile_blocks(
                 loss.backward()
             del loss, out
             step.mark("end")
-            windows = step.windows()
     finally:
         for block, had, fwd in forwards:
             block.__dict__.pop("forward", None)
@@ -128,7 +118,7 @@ def profile_blocks(
                 block.__dict__["forward"] = fwd
         for p, g in grads:
             p.grad = g
-    return _assemble(chain, alone, inputs, windows, step.grads, static_bytes, device)
+    return _assemble(chain, alone, inputs, step.by_label(), step.grads, static_bytes, device)
 
 
 def _measuring_forward(
