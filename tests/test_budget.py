@@ -118,7 +118,7 @@ def test_prediction_says_where_the_peak_falls() -> None:
 
 
 def test_budget_plans_name_where_the_predicted_peak_falls() -> None:
-    plan = autockpt.make_plan(chain(), budget=1.0, example_inputs=(torch.randn(64, 128),))
+    plan = autockpt.make_plan(chain(), budget=1.0, example_inputs=(torch.randn(8, WIDTH),))
     assert any(n.startswith("the predicted peak falls in the ") for n in plan.notes)
 
 
@@ -127,9 +127,20 @@ def test_budget_planner_without_costs_says_what_it_needs() -> None:
         run_planner(get_planner("budget", where="t"), PlanRequest(stage_names=("a",)), where="t")
 
 
+WIDTH = 16
+BATCH = 1024  # activations of 64 KiB: they, not the parameters, set the peak, so fractions mean something
+ACTIVATION = BATCH * WIDTH * 4
+
+
 def chain() -> nn.Sequential:
+    """A tiny chain for control flow: 4 x (Linear(16) + GELU), 8 stages.
+
+    At batch ``BATCH`` the smallest achievable peak is 0.64 of the unwrapped step, so
+    fractions 0.7 and up are feasible and checkpoint at least one segment; at batch 8 the
+    parameters dominate and only the unwrapped plan fits.
+    """
     torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(128, 128), nn.GELU())])
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(WIDTH, WIDTH), nn.GELU())])
 
 
 BAD = [
@@ -144,14 +155,14 @@ BAD = [
 @pytest.mark.parametrize(("budget", "exc", "message"), BAD)
 def test_bad_budgets(budget: object, exc: type[Exception], message: str) -> None:
     with pytest.raises(exc, match=message.replace("(", r"\(").replace("]", r"\]")):
-        autockpt.make_plan(chain(), budget=budget, example_inputs=(torch.randn(8, 128),))  # type: ignore[arg-type]
+        autockpt.make_plan(chain(), budget=budget, example_inputs=(torch.randn(8, WIDTH),))  # type: ignore[arg-type]
 
 
 def test_budget_without_example_inputs_or_with_segments() -> None:
     with pytest.raises(ValueError, match="needs example inputs"):
         autockpt.make_plan(chain(), budget="1GiB")
     with pytest.raises(ValueError, match="both segments=4 and budget"):
-        autockpt.make_plan(chain(), 4, budget="1GiB", example_inputs=(torch.randn(8, 128),))
+        autockpt.make_plan(chain(), 4, budget="1GiB", example_inputs=(torch.randn(8, WIDTH),))
 
 
 @pytest.mark.parametrize("text", ["2GiB", "512MB", "1.5 gib", "1000000"])
@@ -179,21 +190,21 @@ def total_peak(model: nn.Module, x: torch.Tensor) -> int:
     return static + mem.peak_bytes
 
 
-CASES = {
-    "nin_nchw": (lambda: autockpt.models.NiN(10), lambda: torch.randn(64, 3, 32, 32), [1.0]),
-    "nin_channels_last": (
+CASES = {  # small sizes, but every fraction below 1.0 is above the case's floor and checkpoints
+    "nin_nchw": (lambda: autockpt.models.NiN(10), lambda: torch.randn(8, 3, 32, 32), [1.0]),
+    "nin_channels_last": (  # floor 0.91 of unwrapped at batch 16; at batch 8 it is 0.921
         lambda: autockpt.models.NiN(10).to(memory_format=torch.channels_last),
-        lambda: torch.randn(64, 3, 32, 32).to(memory_format=torch.channels_last),
+        lambda: torch.randn(16, 3, 32, 32).to(memory_format=torch.channels_last),
         [1.0, 0.95, 0.92],
     ),
-    "resnet18": (
+    "resnet18": (  # floor 0.88 at batch 32; at 24 it is 0.905: parameters and gradients weigh more
         lambda: torchvision.models.resnet18(),
         lambda: torch.randn(32, 3, 64, 64),
         [1.0, 0.95, 0.9],
     ),
-    "deep_chain": (
-        lambda: nn.Sequential(*[m for _ in range(32) for m in (nn.Linear(256, 256), nn.GELU())]),
-        lambda: torch.randn(1024, 256),
+    "deep_chain": (  # 24 stages, floor 0.375: 0.4 checkpoints 4 segments
+        lambda: nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(64, 64), nn.GELU())]),
+        lambda: torch.randn(1024, 64),
         [0.8, 0.55, 0.4],
     ),
 }
@@ -220,18 +231,18 @@ def test_predicted_peak_matches_measured_and_the_budget_holds(name: str) -> None
 
 
 def test_profile_bytes_are_exact_and_repeatable_while_times_may_vary() -> None:
-    model, x = chain(), torch.randn(64, 128)
+    model, x = chain(), torch.randn(8, WIDTH)
     first, second = autockpt.profile(model, (x,)), autockpt.profile(model, (x,))
     strip = [dataclasses.replace(c, fwd_ms=0.0, bwd_ms=0.0) for c in first.costs]
     assert strip == [dataclasses.replace(c, fwd_ms=0.0, bwd_ms=0.0) for c in second.costs]
-    activation = 64 * 128 * 4
+    activation = 8 * WIDTH * 4
     assert first.costs[1].in_bytes == activation  # GELU's input
     assert first.costs[0].keeps_input and first.costs[1].keeps_input  # Linear and GELU save inputs
-    assert all(c.grad_bytes == (128 * 128 + 128) * 4 for c in first.costs[::2])
+    assert all(c.grad_bytes == (WIDTH * WIDTH + WIDTH) * 4 for c in first.costs[::2])
     text = str(first)
     assert text.startswith("autockpt profile: walker='sequential'") and "bwd peak" in text
     data = json.loads(first.to_json())
-    assert len(data["stages"]) == 32 and data["stages"][0]["name"] == "0"
+    assert len(data["stages"]) == 8 and data["stages"][0]["name"] == "0"
 
 
 def test_profile_is_invisible() -> None:
@@ -246,9 +257,9 @@ def test_profile_is_invisible() -> None:
 
 
 def test_auto_checkpoint_with_a_budget_trains_exactly() -> None:
-    x = torch.randn(1024, 128)
+    x = torch.randn(BATCH, WIDTH)
     ref = chain()
-    model = autockpt.auto_checkpoint(chain(), budget=0.6, example_inputs=(x,))
+    model = autockpt.auto_checkpoint(chain(), budget=0.7, example_inputs=(x,))  # checkpoints 2 segments
     plan = model.forward.plan
     assert plan.strategy.startswith("budget=") and plan.checkpointed_segments >= 1
     assert "predicted peak" in str(plan) and "predicted recompute time" in str(plan)
@@ -261,7 +272,7 @@ def test_infeasible_budget_through_the_api() -> None:
     with pytest.raises(
         autockpt.PlanInfeasibleError, match=r"^auto_checkpoint: no plan fits budget=1\.00 KiB"
     ):
-        autockpt.auto_checkpoint(chain(), budget=1024, example_inputs=(torch.randn(64, 128),))
+        autockpt.auto_checkpoint(chain(), budget=1024, example_inputs=(torch.randn(8, WIDTH),))
 
 
 def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> None:
@@ -289,10 +300,10 @@ def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> N
 
 
 def test_check_measures_the_plan_and_records_the_figure() -> None:
-    x = torch.randn(1024, 128)
+    x = torch.randn(BATCH, WIDTH)
     model = autockpt.auto_checkpoint(
         chain(), budget=0.8, example_inputs=(x,), check=True
-    )  # headroom above the 0.68 floor
+    )  # headroom above the 0.64 floor
     plan = model.forward.plan
     assert plan.budget_bytes is not None
     note = next(n for n in plan.notes if n.startswith("measured peak"))
@@ -310,12 +321,14 @@ def test_check_tightens_a_plan_whose_prediction_was_too_low(monkeypatch: pytest.
         model: nn.Module, args: object, kwargs: object = None, loss_fn: object = None
     ) -> int:
         calls.append(1)
-        return real(model, args, kwargs, loss_fn) + (MiB if len(calls) == 1 else 0)  # first plan "too big"
+        return real(model, args, kwargs, loss_fn) + (2 * ACTIVATION if len(calls) == 1 else 0)  # too big
 
     monkeypatch.setattr(verification, "measure_step", optimistic_model)
-    x = torch.randn(1024, 128)
-    first = autockpt.make_plan(chain(), budget=0.7, example_inputs=(x,))
-    model = autockpt.auto_checkpoint(chain(), budget=0.7, example_inputs=(x,), check=True)
+    x = torch.randn(BATCH, WIDTH)
+    # 0.8 plans 0.73 of unwrapped; two activations over (0.18) put the measurement 0.11 above
+    # 0.8, so the retry plans for 0.69: below the first plan, above the 0.64 floor
+    first = autockpt.make_plan(chain(), budget=0.8, example_inputs=(x,))
+    model = autockpt.auto_checkpoint(chain(), budget=0.8, example_inputs=(x,), check=True)
     assert len(calls) == 2
     assert model.forward.plan.predicted_peak_bytes < first.predicted_peak_bytes
     assert model.forward.plan.budget_bytes == first.budget_bytes  # the user's budget, not the limit
@@ -336,21 +349,23 @@ def test_a_model_is_profiled_once_per_input_signature(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(planning, "profile_chain", counting)
     model = chain()
-    x = torch.randn(1024, 128)
+    x = torch.randn(BATCH, WIDTH)
     first = autockpt.make_plan(model, budget=0.7, example_inputs=(x,))
     autockpt.auto_checkpoint(model, budget=0.7, example_inputs=(x,))
     assert model.forward.plan.segments == first.segments
-    autockpt.make_plan(model, budget=0.9, example_inputs=(torch.randn(1024, 128),))
-    assert calls == [(1024, 128)]  # same shapes: measured once
-    autockpt.make_plan(model, budget=0.9, example_inputs=(torch.randn(512, 128),))
-    autockpt.make_plan(model.double(), budget=0.9, example_inputs=(torch.randn(512, 128).double(),))
-    assert calls == [(1024, 128), (512, 128), (512, 128)]  # a new batch size or dtype: measured again
+    autockpt.make_plan(model, budget=0.9, example_inputs=(torch.randn(BATCH, WIDTH),))
+    assert calls == [(BATCH, WIDTH)]  # same shapes: measured once
+    half = BATCH // 2
+    autockpt.make_plan(model, budget=0.9, example_inputs=(torch.randn(half, WIDTH),))
+    autockpt.make_plan(model.double(), budget=0.9, example_inputs=(torch.randn(half, WIDTH).double(),))
+    # a new batch size or dtype: measured again
+    assert calls == [(BATCH, WIDTH), (half, WIDTH), (half, WIDTH)]
 
 
 def test_plans_reuse_a_profile_the_user_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     import autockpt.measure.model_profile as planning
 
-    model, x = chain(), torch.randn(1024, 128)
+    model, x = chain(), torch.randn(BATCH, WIDTH)
     prof = autockpt.profile(model, (x,))
     monkeypatch.setattr(planning, "profile_chain", None)  # any new measurement would fail
     plan = autockpt.make_plan(model, budget=0.7, example_inputs=(x,))

@@ -101,11 +101,11 @@ def measure(model: nn.Module, x: torch.Tensor) -> autockpt.MemoryStats:
 
 
 def test_tensor_level_matches_torch_memtracker_on_nin() -> None:
-    """Cross-check with torch.distributed._tools.mem_tracker.MemTracker (within 5%)."""
+    """Cross-check with torch.distributed._tools.mem_tracker.MemTracker: the same bytes."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     model = autockpt.models.NiN(10)
-    x = torch.randn(64, 3, 32, 32)
+    x = torch.randn(16, 3, 32, 32)
     ours = measure(model, x).tensor_peak_bytes
     tracker = MemTracker()
     tracker.track_external(model)
@@ -114,7 +114,7 @@ def test_tensor_level_matches_torch_memtracker_on_nin() -> None:
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     theirs = peak["Total"] - params  # MemTracker counts the parameters, we count new storages
-    assert abs(ours - theirs) <= 0.05 * theirs, (format_bytes(ours), format_bytes(theirs))
+    assert ours == theirs, (format_bytes(ours), format_bytes(theirs))
 
 
 def gelu_chain() -> nn.Sequential:
@@ -148,7 +148,7 @@ def nin(fmt: torch.memory_format) -> tuple[nn.Module, Callable[[int], torch.Tens
 
 def test_nin_channels_last_sqrt_is_strictly_below_unwrapped() -> None:
     model, data = nin(torch.channels_last)
-    x = data(64)
+    x = data(16)  # about 10% below at batches 8 to 64
     plain = measure(model, x)
     sqrt = measure(autockpt.auto_checkpoint(model, "sqrt", example_inputs=(x,)), x)
     assert sqrt.peak_bytes < plain.peak_bytes, (format_bytes(sqrt.peak_bytes), format_bytes(plain.peak_bytes))
@@ -156,14 +156,14 @@ def test_nin_channels_last_sqrt_is_strictly_below_unwrapped() -> None:
 
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
 def test_nin_no_segment_count_raises_the_peak(fmt: torch.memory_format) -> None:
-    """At batch 32, every segment count in both memory formats.
+    """At batch 4, every segment count in both memory formats.
 
     The one allowed extra is torch's stash of the CPU RNG state (5 KiB) for each checkpointed
     segment that holds a Dropout: the price of replaying its mask exactly. Segments without
     random ops keep no stash.
     """
     model, data = nin(fmt)
-    x = data(32)
+    x = data(4)
     plain = measure(model, x).peak_bytes
     rng_state = torch.get_rng_state().numel()
     n = autockpt.make_plan(model, "none", example_inputs=(x,)).n_stages

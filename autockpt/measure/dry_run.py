@@ -85,7 +85,7 @@ def _saved_bytes(units: Sequence[Unit], x: Any) -> tuple[int, ...]:
 
         def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
             saved.update(storage_sizes([t]))
-            return t
+            return t.detach()  # the tensor itself would make a cycle through its grad_fn: a leak
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = unit.fn(value)

@@ -141,8 +141,9 @@ class Windows:
     (``result[0]``, everything before the first mark, is ``(0, 0)``).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, collect: bool = True) -> None:
         self.device = device
+        self.collect = collect  # see open_session
         self.session: AllocatorSession | None = None
         self.tensors = StorageTracker("meta") if device.type == "meta" else None
         self.result: list[tuple[int, int]] = []
@@ -152,7 +153,7 @@ class Windows:
         if self.tensors is not None:
             self.tensors.__enter__()
         else:
-            self.session = open_session(self.device)
+            self.session = open_session(self.device, collect=self.collect)
         return self
 
     def mark(self) -> None:

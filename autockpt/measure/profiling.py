@@ -9,6 +9,7 @@ medians of repeats and stay noisy. The run is invisible like the dry run: buffer
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import statistics
@@ -140,7 +141,9 @@ def measure_stage(
 ) -> tuple[StageCost, Any]:
     """What running ``stage`` on ``x`` costs in a training step, and its output (detached).
 
-    ``modules`` are those the stage calls, whose parameter gradients it leaves behind.
+    ``modules`` are those the stage calls, whose parameter gradients it leaves behind. Call
+    ``gc.collect()`` once before measuring a series of stages (:func:`profile_chain` does):
+    each measurement collects only the young generations.
     Floating-point inputs are made to require gradients, as activations do; with
     ``grads_as_given``, only those that require gradients already (see
     :func:`~autockpt.tensors.requiring_grad`).
@@ -155,9 +158,9 @@ def measure_stage(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.update(storage_sizes([t]))
-        return t
+        return t.detach()  # the tensor itself would make a cycle through its grad_fn: a leak
 
-    with Windows(device) as windows:
+    with Windows(device, collect=False) as windows:  # the caller collected garbage once
         inputs, leaves = requiring_grad(x, as_given=grads_as_given)
         in_tensors = tensors_in(inputs)
         in_keys = {storage_key(t) for t in in_tensors}
@@ -301,6 +304,7 @@ def profile_chain(model: nn.Module, chain: Chain, x: Any, static_bytes: int, *, 
     device = device_of(model, x)
     grads = [(p, p.grad) for p in model.parameters()]
     costs = []
+    gc.collect()  # once: every stage's measurement then collects the young generations only
     try:
         with dry_run_state(model, x):
             value = x
