@@ -159,3 +159,20 @@ def test_nin_on_cuda_trains_like_the_unwrapped_model(monkeypatch: pytest.MonkeyP
     report = autockpt.verify(model, (x,), segments="sqrt", atol=1e-5, rtol=1e-4)
     assert report.ok, str(report)
     assert report.peak_bytes_checkpointed < report.peak_bytes_unwrapped
+
+
+@gpu
+def test_cuda_windows_nest_and_leave_the_callers_peak_alone() -> None:
+    torch.cuda.synchronize()
+    big = torch.empty(64 * MiB // 4, device="cuda")
+    del big
+    users_peak = torch.cuda.max_memory_allocated()
+    with autockpt.track_memory("cuda", tensors=False) as outer:
+        a = torch.empty(4 * MiB // 4, device="cuda")
+        with autockpt.track_memory("cuda", tensors=False) as inner:
+            b = torch.empty(2 * MiB // 4, device="cuda")
+            del b
+        del a
+    assert (inner.peak_bytes, outer.peak_bytes) == (2 * MiB, 6 * MiB)
+    assert torch.cuda.max_memory_allocated() == users_peak
+    assert not torch._C._cuda_isHistoryEnabled()
