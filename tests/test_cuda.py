@@ -38,9 +38,7 @@ class FakeAllocator:
         self.recording = enabled is not None
 
     def _mark(self) -> int:
-        addr = self.alloc(512)
-        self.free(addr, 512)
-        return addr
+        return self.alloc(512)  # a live marker: never freed inside the session
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from autockpt.measure import allocator
@@ -57,6 +55,8 @@ class FakeAllocator:
         )
         monkeypatch.setattr(allocator._CudaRecorder, "_mark_allocation", self._mark)
         monkeypatch.setattr(allocator, "_RECORDERS", {})
+        monkeypatch.setattr(allocator._CudaRecorder, "open_sessions", 0)
+        monkeypatch.setattr(allocator._CudaRecorder, "owns_history", False)
 
 
 def test_cuda_windows_report_peak_and_net_above_each_mark(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,6 +75,20 @@ def test_cuda_windows_report_peak_and_net_above_each_mark(monkeypatch: pytest.Mo
         windows.mark()  # window 3: peak 10, net 0
     assert windows.result == [(0, 0), (80, 30), (0, -30), (10, 0)]
     assert not fake.recording  # switched off again: we switched it on
+
+
+def test_a_marker_is_told_from_an_earlier_block_at_the_same_address() -> None:
+    from autockpt.measure.allocator import MARK, cuda_deltas
+
+    entries = [
+        {"action": "alloc", "addr": 7, "size": 512},  # an ordinary small block...
+        {"action": "free_requested", "addr": 7, "size": 512},
+        {"action": "free_completed", "addr": 7, "size": 512},
+        {"action": "alloc", "addr": 7, "size": 512},  # ...whose address the marker then takes
+        {"action": "alloc", "addr": 9, "size": 4096},
+        {"action": "free_requested", "addr": 9, "size": 4096},
+    ]
+    assert cuda_deltas(entries, {7}) == [512, -512, MARK, 4096, -4096]
 
 
 def test_cuda_track_memory_nests_and_keeps_the_callers_history(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,15 +9,16 @@ NOTE [Buffers change once per forward]
     original forward saw) and the live buffers are put back afterwards, so the user
     observes one update per forward.
 
-    Which buffers changed must be known without asking the device: comparing values
-    (``torch.equal``) waits for the device on every call. Version counters are free, but
-    BatchNorm's CPU kernel updates ``running_mean`` without bumping its version. So the first
-    call in each combination of train/eval modes compares values once (one wait, once) and
-    records which buffers changed; every later call keeps the copies of those, plus any
-    buffer whose version counter moved, and compares nothing. A value that happened not to
-    change on the first call (a batch whose mean equals the running mean) must not hide a
-    buffer that changes later, so a norm layer's running statistics in training mode count as
-    changed whatever their values did (found by the property test).
+    Which buffers changed must be known exactly, and without waiting for the device:
+    comparing values (``torch.equal``) is exact but waits for an asynchronous device (CUDA)
+    on every call; version counters are free but miss writes through ``.data`` and kernels
+    such as BatchNorm's CPU statistics update. A buffer whose version counter moved has
+    changed. For the others, on the CPU (where a comparison waits for nothing) values are
+    compared and only changed buffers keep their copy; on other devices every copy is kept
+    until the segment's backward, which costs the segment's buffer bytes (KiBs for norm
+    layers) and no wait. An earlier version learned on the first call which buffers change
+    and trusted that afterwards; a buffer that changes only later (after a warm-up step,
+    through ``.data``) then escaped replay and was updated twice (found in review).
 
 NOTE [Mutation guard]
     A recompute runs with the parameters, buffers and train/eval modes of the moment it
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -127,9 +128,6 @@ class SegmentRuntime:
     children: tuple[SegmentRuntime, ...] = ()
     rng_free: tuple[nn.Module, ...] | None = None  # see _RNG_FREE
     named_modules: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; the mutation guard's
-    # per train/eval modes of named_modules: indices of buffers the forward changed in place,
-    # learned by value on the first call (NOTE [Buffers change once per forward])
-    changed: dict[tuple[bool, ...], frozenset[int]] = field(default_factory=dict)
 
 
 def build_runtime(segments: Sequence[Segment], stages: Sequence[Stage]) -> tuple[SegmentRuntime, ...]:
@@ -182,10 +180,20 @@ def run_body(rt: SegmentRuntime, x: Any) -> Any:
     return x
 
 
-def _running_statistic(module: nn.Module, name: str) -> bool:
-    """A norm layer's running statistics, which training updates on every forward."""
-    tracked = getattr(module, "track_running_stats", False) is True
-    return tracked and module.training and name in ("running_mean", "running_var", "num_batches_tracked")
+def compares_values(device: torch.device) -> bool:
+    """Whether buffer values are compared on ``device``: only where it waits for nothing."""
+    return device.type == "cpu"
+
+
+def _changed(t: torch.Tensor, before: torch.Tensor, version: int) -> bool:
+    """Whether a buffer may have changed in place since ``before`` was copied (NOTE [Buffers
+    change once per forward]): its version moved, its value differs (CPU), or, on a device
+    where comparing would wait, it is assumed to have."""
+    if t._version != version:
+        return True
+    if compares_values(t.device):
+        return not torch.equal(t, before)
+    return True
 
 
 class _SegmentCall:
@@ -206,30 +214,17 @@ class _SegmentCall:
 
     def _forward(self, x: Any) -> Any:
         rt = self.rt
-        modes = tuple(module.training for _, module in rt.named_modules)
-        known = rt.changed.get(modes)
         before = [module._buffers.get(name) for module, name in rt.buffers]
         versions = [t._version if t is not None else 0 for t in before]
         clones = [t.clone() if t is not None else None for t in before]
         out = run_body(rt, x)
         old: dict[int, torch.Tensor | None] = {}
-        in_place: set[int] = set()
         for i, ((module, name), t) in enumerate(zip(rt.buffers, before)):
             now = module._buffers.get(name)
             if now is not t:
                 old[i] = t
-                continue
-            if t is None:
-                continue
-            if known is None:  # first call in these modes: learn by value, once
-                changed = _running_statistic(module, name) or not torch.equal(t, clones[i])  # type: ignore[arg-type]
-            else:
-                changed = i in known or t._version != versions[i]
-            if changed:
+            elif t is not None and _changed(t, clones[i], versions[i]):  # type: ignore[arg-type]
                 old[i] = clones[i]
-                in_place.add(i)
-        if known is None:
-            rt.changed[modes] = frozenset(in_place)
         self.old = old
         self._remember_state(old)
         return out

@@ -72,7 +72,7 @@ class _Recorder:
     def close(self, session: AllocatorSession) -> None:
         if session not in self.open:
             raise AutockptError("track_memory: this allocator session is closed already.")
-        self._deliver(final=len(self.open) == 1)
+        self._deliver(final=self.open[0] is session)  # closing the outermost ends them all
         while self.open and self.open[-1] is not session:  # an inner one left open: close it too
             self.open.pop()
         self.open.pop()
@@ -160,65 +160,85 @@ class _CpuRecorder(_Recorder):
 class _CudaRecorder(_Recorder):
     """CUDA allocations from the caching allocator's memory history.
 
-    History is switched on for the outermost session (without stack traces) unless the
-    caller records it already, and switched off again only if we switched it on. A session
-    reads the trace entries added since it began: ``alloc`` adds a block's size,
-    ``free_requested`` takes it away (the moment ``memory_allocated`` drops). Markers are
-    allocations whose address is remembered.
+    History is process-wide: it is switched on (without stack traces) when the first CUDA
+    session of any device opens, unless the caller records it already, and switched off
+    when the last one closes, only if we switched it on. A session reads its device's trace
+    entries added since it began: ``alloc`` adds a block's size, ``free_requested`` takes it
+    away (the moment ``memory_allocated`` drops). A marker is a tiny allocation kept alive
+    until the session ends, so it is the last allocation of its address in the trace (the
+    caching allocator reuses small addresses all the time; an earlier block at the same
+    address was freed before the marker took it).
     """
+
+    open_sessions = 0  # across every CUDA recorder: history is per process
+    owns_history = False
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
-        self._owned = False
         self._begun_at = 0
-        self._marks: set[int] = set()
+        self._marks: list[torch.Tensor] = []
 
     def mark(self) -> None:
-        self._marks.add(self._mark_allocation())
+        self._marks.append(self._mark_allocation())
 
-    def _mark_allocation(self) -> int:
-        """Allocate and free a tiny block; its address identifies the marker in the trace."""
-        t = torch.empty(1, dtype=torch.uint8, device=self.device)
-        return int(t.untyped_storage().data_ptr())
+    def _mark_allocation(self) -> Any:
+        """A tiny block, kept alive until the session ends; its address marks the trace."""
+        return torch.empty(1, dtype=torch.uint8, device=self.device)
+
+    def _mark_addresses(self) -> set[int]:
+        return {
+            int(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else int(t)
+            for t in self._marks
+        }
 
     def _trace(self) -> list[dict[str, Any]]:
         traces = torch.cuda.memory._snapshot(self.device)["device_traces"]
         index = self.device.index or 0
         return list(traces[index]) if index < len(traces) else []
 
+    def start(self, *, collect: bool = True) -> AllocatorSession:
+        if not self.open:
+            cls = _CudaRecorder
+            if cls.open_sessions == 0:
+                recording = getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)  # not in every torch
+                if not recording():
+                    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
+                    cls.owns_history = True
+            cls.open_sessions += 1
+        return super().start(collect=collect)
+
     def _begin(self) -> None:
-        recording = getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)  # not in every torch
-        if not self.open[:-1] and not recording():
-            torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
-            self._owned = True
         torch.cuda.synchronize(self.device)
         self._begun_at = len(self._trace())
 
     def _end(self, *, final: bool) -> list[int | None]:
         torch.cuda.synchronize(self.device)
-        entries = self._trace()[self._begun_at :]
-        if self._owned and final:
-            torch.cuda.memory._record_memory_history(enabled=None)
-            self._owned = False
-        return cuda_deltas(entries, self._marks)
+        deltas = cuda_deltas(self._trace()[self._begun_at :], self._mark_addresses())
+        if final:
+            self._marks = []
+            cls = _CudaRecorder
+            cls.open_sessions -= 1
+            if cls.open_sessions == 0 and cls.owns_history:
+                torch.cuda.memory._record_memory_history(enabled=None)
+                cls.owns_history = False
+        return deltas
 
 
 def cuda_deltas(entries: list[dict[str, Any]], marks: set[int]) -> list[int | None]:
-    """Byte deltas of CUDA allocator trace entries; allocations at ``marks`` become ``MARK``."""
+    """Byte deltas of CUDA allocator trace entries; the last allocation of each address in
+    ``marks`` (a live marker) becomes ``MARK``."""
+    last_alloc = {e.get("addr"): i for i, e in enumerate(entries) if e.get("action") == "alloc"}
+    markers = {last_alloc[a] for a in marks if a in last_alloc}
     out: list[int | None] = []
-    for e in entries:
-        action, addr, size = e.get("action"), e.get("addr"), int(e.get("size", 0))
-        if action == "alloc":
-            if addr in marks:
-                out.append(MARK)
-            else:
-                out.append(size)
+    for i, e in enumerate(entries):
+        action, size = e.get("action"), int(e.get("size", 0))
+        if i in markers:
+            out.append(MARK)
+        elif action == "alloc":
+            out.append(size)
         elif action == "free_requested":
-            if addr in marks:
-                marks.discard(addr)
-            else:
-                out.append(-size)
+            out.append(-size)
     return out
 
 

@@ -39,7 +39,7 @@ from autockpt.measure.memory import Windows
 from autockpt.measure.profiling import Profile, measure_stage
 from autockpt.planners import StageCost
 from autockpt.sandbox import dry_run_state
-from autockpt.tensors import device_of, storage_bytes, storage_sizes, tensors_in
+from autockpt.tensors import device_of, requiring_grad, storage_bytes, storage_sizes, tensors_in
 
 __all__ = ["profile_blocks"]
 
@@ -94,6 +94,8 @@ def profile_blocks(
     alone: dict[int, StageCost] = {}
     inputs: dict[int, dict[int, int]] = {}  # per block: storage key -> bytes of its inputs
     grads = [(p, p.grad) for p in model.parameters()]
+    # the caller's inputs get no .grad: the step runs on copies, requiring grad where they do
+    (call_args, call_kwargs), _ = requiring_grad((list(args), kwargs), as_given=True)
     forwards = [(b, "forward" in b.__dict__, b.__dict__.get("forward")) for b in blocks]
     try:
         with dry_run_state(model, [list(args), kwargs]), Windows(device) as windows:
@@ -103,7 +105,7 @@ def profile_blocks(
                     i, block, call, step, alone, inputs, device, repeats
                 )
             step.mark("gap 0")
-            out = model(*args, **kwargs)
+            out = model(*call_args, **call_kwargs)
             step.mark("loss")
             loss = default_loss(out)
             step.mark(f"bwd gap {len(blocks)}")

@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from autockpt.measure.losses import LossFn, step_loss
 from autockpt.measure.memory import MemoryStats, track_memory
 from autockpt.sandbox import preserved
-from autockpt.tensors import device_of, requiring_grad, static_bytes, tensors_in
+from autockpt.tensors import device_of, requiring_grad, static_bytes
 
 __all__ = ["StepResult", "measure_step", "run_step"]
 
@@ -46,11 +47,12 @@ def run_step(
     copies), so their gradients can be compared; without, the inputs are used as given.
     """
     device = device_of(model, [list(args), kwargs or {}])
-    leaves: list[torch.Tensor] = []
+    inputs: list[Any] = list(args)
+    leaves: list[tuple[str, torch.Tensor]] = []
     if input_grads:
-        inputs, leaves = requiring_grad(list(args))
-    else:
-        inputs = list(args)
+        for i, arg in enumerate(args):
+            inputs[i], made = requiring_grad(arg)
+            leaves += [(f"{i}" if len(made) == 1 else f"{i}.{j}", leaf) for j, leaf in enumerate(made)]
     with track_memory(device) as mem:
         out = model(*inputs, **(kwargs or {}))
         loss = step_loss(out, loss_fn, where=where)
@@ -58,10 +60,11 @@ def run_step(
             loss.backward()
         del loss
     tensors: dict[str, torch.Tensor | None] = {}
-    for i, t in enumerate(tensors_in(out)):
-        tensors[f"output {i}"] = t.detach()
-    for i, leaf in enumerate(leaves):
-        tensors[f"grad of input {i}"] = leaf.grad
+    for i, t in enumerate(tree_leaves(out)):  # numbered as the output's leaves, None included
+        if isinstance(t, torch.Tensor):
+            tensors[f"output {i}"] = t.detach()
+    for name, leaf in leaves:
+        tensors[f"grad of input {name}"] = leaf.grad
     for name, p in model.named_parameters():
         tensors[f"grad of {name}"] = p.grad
     for name, b in model.named_buffers():
