@@ -32,6 +32,7 @@ from autockpt.planners.budget import predict
 from autockpt.tensors import as_args
 from autockpt.units import format_bytes, parse_budget
 from autockpt.walkers import Walked, walk
+from autockpt.walkers.graph import none_pattern
 
 __all__ = ["BudgetCosts", "SegmentsSpec", "build_plan", "check_spec", "describe_peak", "prepare"]
 
@@ -68,9 +69,10 @@ def prepare(
     _check_arguments(segments, budget, example_inputs, example_kwargs, loss_fn, where)
     if isinstance(segments, Plan) and mode is None:
         mode = segments.walker  # a plan applies to the stages its walker found
-    walked = walk(model, mode, where=where)
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     has_inputs = example_inputs is not None or bool(example_kwargs)
+    none_args = none_pattern(model, args, kwargs) if has_inputs else None  # trace for this call
+    walked = walk(model, mode, where=where, none_args=none_args)
     dry = dry_run(model, walked, args, kwargs, where=where) if has_inputs else _reuse(walked, previous)
     chain = build_chain(walked.walker, walked.units, dry)
     costs = None

@@ -251,8 +251,8 @@ def test_hooks_guarded_by_is_recomputing_fire_once_per_position() -> None:  # it
     assert backward == ["b0"]
 
 
-def test_optional_input_missing_runs_unwrapped_with_a_warning() -> None:
-    class Optional(nn.Module):
+def test_an_argument_the_model_cannot_do_without_fails_as_it_would_unwrapped() -> None:
+    class Required(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
@@ -260,12 +260,41 @@ def test_optional_input_missing_runs_unwrapped_with_a_warning() -> None:
         def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
             return self.b(self.a(x) + bias)
 
-    model = autockpt.auto_checkpoint(Optional(), 2)
+    model = autockpt.auto_checkpoint(Required(), 2)
     model(torch.randn(2, 3), torch.randn(3)).sum().backward()
-    with pytest.warns(UserWarning, match="traced with 'bias' given, but it is None"):
-        with pytest.raises(TypeError):  # the plain forward fails as it would unwrapped
-            model(torch.randn(2, 3))
+    with pytest.raises(TypeError):  # None + tensor, as in the unwrapped model
+        model(torch.randn(2, 3))
+
+
+class OptionalMask(nn.Module):
+    """``if mask is not None`` inside: fx can trace one pattern of None arguments at a time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(9))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            if mask is not None:
+                x = x * mask
+        return x
+
+
+@pytest.mark.parametrize("with_inputs", [False, True])
+def test_optional_arguments_are_traced_for_the_call_and_checkpointed_either_way(with_inputs: bool) -> None:
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 16), torch.rand(4, 16)
+    ref = OptionalMask()
+    model = copy.deepcopy(ref)
+    autockpt.auto_checkpoint(model, example_inputs=(x,) if with_inputs else None)
+    assert model.forward.walked.walker == "graph" and model.forward.plan.checkpointed_segments >= 2
+    assert autockpt.verify(model, (x,)).ok and autockpt.verify(model, (x, mask)).ok
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(TypeError):
-            model(torch.randn(2, 3))  # warned once only
+        warnings.simplefilter("error")  # no call falls back to the plain forward
+        for args in [(x,), (x, mask), (x,)]:
+            ref(*args).square().sum().backward()
+            model(*args).square().sum().backward()
+    assert_same_state(ref, model)
+    patterns = {*model.forward.traced, model.forward.walked.program.none_args}
+    assert patterns == {frozenset(), frozenset({"mask"})}

@@ -30,7 +30,7 @@ from autockpt.planning import SegmentsSpec, build_plan
 from autockpt.sandbox import dry_run_state
 from autockpt.walkers import Walked, walk
 from autockpt.walkers.blocks import BlockCall
-from autockpt.walkers.graph import UnbindableError
+from autockpt.walkers.graph import UnbindableError, none_pattern
 
 __all__ = ["BlockForward", "CheckpointedForward", "install", "installed", "uninstall"]
 
@@ -75,6 +75,8 @@ class CheckpointedForward:
         self.probe = probe
         self.original_forward = original_forward
         self.warned_unbindable = False
+        # other patterns of None arguments traced before: (walked, plan, runtime, dry run)
+        self.traced: dict[frozenset[str], tuple[Walked, Plan, tuple[SegmentRuntime, ...], DryRun | None]] = {}
         self.runtime: tuple[SegmentRuntime, ...] = ()
         self._bind(chain)
 
@@ -133,33 +135,48 @@ class CheckpointedForward:
             x = args[0]
         else:
             if program.hooks_added():
-                self._retrace()
+                self._retrace(program.none_args, "hooks were added inside it")
                 program = self.walked.program
                 assert program is not None
             try:
                 x = program.bind(args, kwargs)
-            except UnbindableError as missing:
-                if not self.warned_unbindable:
-                    self.warned_unbindable = True
-                    warnings.warn(
-                        f"auto_checkpoint: {type(self.model).__name__} was traced with "
-                        f"{missing.args[0]!r} given, but it is None now; this call runs without "
-                        f"checkpointing. Pass it, or checkpoint with mode='blocks'.",
-                        UserWarning,
-                        stacklevel=3,
-                    )
-                return self._plain(*args, **kwargs)
+            except UnbindableError as mismatch:
+                try:  # NOTE [Optional arguments] in walkers/graph.py
+                    self._retrace(none_pattern(self.model, args, kwargs), str(mismatch))
+                    program = self.walked.program
+                    assert program is not None
+                    x = program.bind(args, kwargs)
+                except (UnbindableError, AutockptError) as err:
+                    if not self.warned_unbindable:
+                        self.warned_unbindable = True
+                        warnings.warn(
+                            f"auto_checkpoint: {type(self.model).__name__} cannot be traced for this "
+                            f"call ({err}); it runs without checkpointing. Checkpoint with "
+                            f"mode='blocks' to cover such calls.",
+                            UserWarning,
+                            stacklevel=3,
+                        )
+                    return self._plain(*args, **kwargs)
         if self.probe is None:
             self._dry_run(x)
         out = run_segments(self.runtime, x)
         return out if program is None else program.result(out)
 
-    def _retrace(self) -> None:
-        """Hooks were added to a module the trace went through: trace again, keeping it whole."""
-        logger.info("autockpt: hooks were added inside %s; tracing again", type(self.model).__name__)
-        self.walked = walk(self.model, "graph", where="auto_checkpoint")
-        self.probe = None
-        chain = build_chain("graph", self.walked.units)
+    def _retrace(self, none_args: frozenset[str], why: str) -> None:
+        """Trace again (hooks were added inside a traced module, or a call's optional
+        arguments differ from the trace's) and plan again; a pattern of ``None`` arguments
+        traced before is switched back to, not traced again."""
+        logger.info("autockpt: tracing %s again: %s", type(self.model).__name__, why)
+        current = self.walked.program
+        if current is not None and not current.hooks_added():
+            self.traced[current.none_args] = (self.walked, self.plan, self.runtime, self.probe)
+        known = self.traced.pop(none_args, None)
+        if known is not None and known[0].program is not None and not known[0].program.hooks_added():
+            self.walked, self.plan, self.runtime, self.probe = known
+            return
+        walked = walk(self.model, "graph", where="auto_checkpoint", none_args=none_args)
+        self.walked, self.probe = walked, None
+        chain = build_chain("graph", walked.units)
         spec = self.spec if self.spec is not None and not isinstance(self.spec, Plan) else self.plan.strategy
         self.plan = build_plan(chain, _respec(spec, len(chain.stages)), where="auto_checkpoint")
         self._bind(chain)

@@ -30,6 +30,7 @@ from autockpt.measure.losses import LossFn
 from autockpt.measure.profiling import Profile, measure_loss, profile_chain
 from autockpt.tensors import as_args, static_bytes, tensors_in
 from autockpt.walkers import Walked, walk
+from autockpt.walkers.graph import none_pattern
 
 __all__ = ["model_profile", "profile"]
 
@@ -157,8 +158,8 @@ def profile(
         >>> [c.in_bytes for c in prof.costs]
         [128, 128, 128]
     """
-    walked = walk(model, mode, where="profile")
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
+    walked = walk(model, mode, where="profile", none_args=none_pattern(model, args, kwargs))
     chain = build_chain(walked.walker, walked.units, dry_run(model, walked, args, kwargs, where="profile"))
     return model_profile(
         model, walked, chain, args, kwargs, loss_fn=loss_fn, where="profile", repeats=repeats, cached=False

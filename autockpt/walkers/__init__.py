@@ -18,7 +18,7 @@ from torch import nn
 from autockpt.chain import Unit
 from autockpt.errors import AutockptError
 from autockpt.walkers.blocks import block_unit, find_blocks
-from autockpt.walkers.graph import GraphProgram, UntraceableError, trace_program, units_of
+from autockpt.walkers.graph import GraphProgram, UntraceableError, none_pattern, trace_program, units_of
 from autockpt.walkers.sequential import is_sequential_model, sequential_units
 
 __all__ = ["WALKERS", "Walked", "walk"]
@@ -58,8 +58,13 @@ class Walked:
         return args[0]
 
 
-def walk(model: nn.Module, mode: str | None, *, where: str) -> Walked:
+def walk(
+    model: nn.Module, mode: str | None, *, where: str, none_args: frozenset[str] | None = None
+) -> Walked:
     """Find the model's units with the forced walker, or the first one that applies.
+
+    ``none_args``: the forward's arguments the graph walker traces as ``None`` (by default
+    those whose default is ``None``; NOTE [Optional arguments] in ``walkers/graph.py``).
 
     Raises:
         ValueError: ``mode`` is not a walker name.
@@ -75,11 +80,8 @@ def walk(model: nn.Module, mode: str | None, *, where: str) -> Walked:
                 return Walked("sequential", sequential_units(model, where=where), notes=tuple(reasons))
             reasons.append(f"sequential walker: {type(model).__name__} is not an nn.Sequential")
         elif name == "graph":
-            try:
-                program = trace_program(model)
-            except UntraceableError as failure:
-                reasons.append(f"graph walker: torch.fx could not trace it ({failure})")
-            else:
+            program = _trace(model, none_args, reasons)
+            if program is not None:
                 return Walked("graph", units_of(program), program, tuple(reasons))
         else:
             blocks = find_blocks(model)
@@ -88,3 +90,17 @@ def walk(model: nn.Module, mode: str | None, *, where: str) -> Walked:
                 return Walked("blocks", units, notes=tuple(reasons))
             reasons.append("block walker: no ModuleList or Sequential holds two blocks of one class")
     raise AutockptError(f"{where}: cannot walk {type(model).__name__}. " + "; ".join(reasons) + ".")
+
+
+def _trace(model: nn.Module, none_args: frozenset[str] | None, reasons: list[str]) -> GraphProgram | None:
+    """The traced program, or None with the reason recorded. Without a call to go by, the
+    optional arguments are traced as their ``None`` defaults, and if that fails, as given."""
+    patterns = [none_args] if none_args is not None else [none_pattern(model, None, None), frozenset()]
+    failure: UntraceableError | None = None
+    for pattern in dict.fromkeys(patterns):
+        try:
+            return trace_program(model, pattern)
+        except UntraceableError as err:
+            failure = failure or err
+    reasons.append(f"graph walker: torch.fx could not trace it ({failure})")
+    return None

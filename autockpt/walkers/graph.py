@@ -19,6 +19,7 @@ Complexity: O(nodes) to find the cuts.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import operator
 from dataclasses import dataclass
@@ -29,11 +30,30 @@ from torch import fx, nn
 
 from autockpt.chain import Unit
 
-__all__ = ["GraphProgram", "UnbindableError", "UntraceableError", "trace_program", "units_of"]
+__all__ = [
+    "GraphProgram",
+    "UnbindableError",
+    "UntraceableError",
+    "none_pattern",
+    "trace_program",
+    "units_of",
+]
 
 
 class UnbindableError(Exception):
-    """An argument is ``None`` where the traced graph computes with it (an optional input)."""
+    """A call gives an optional argument where the trace had ``None``, or the reverse.
+
+    NOTE [Optional arguments]
+        fx cannot trace ``if mask is not None:`` on a proxy, so a forward with optional
+        arguments is traced for one pattern of which arguments are ``None``
+        (``concrete_args``): the example inputs' pattern, or without them the defaults'.
+        A call with another pattern raises this inside autockpt, and the installed forward
+        traces again for that call's pattern and plans again.
+    """
+
+    def __init__(self, name: str, why: str = "") -> None:
+        super().__init__(f"argument {name!r} {why}".strip())
+        self.name = name
 
 
 class UntraceableError(Exception):
@@ -80,17 +100,18 @@ class GraphProgram:
     copy's nodes call the copy's modules.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, none_args: frozenset[str] = frozenset()) -> None:
         self.model = model
+        self.none_args = none_args  # arguments traced as None (NOTE [Optional arguments])
         self._ready = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"model": self.model, "_ready": False}
+        return {"model": self.model, "none_args": self.none_args, "_ready": False}
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or self.__dict__.get("_ready", True):
             raise AttributeError(name)
-        self.load(_Tracer().trace(self.model))
+        self.load(_Tracer().trace(self.model, concrete_args=_concrete(self.none_args)))
         return getattr(self, name)
 
     def load(self, graph: fx.Graph) -> None:
@@ -98,6 +119,11 @@ class GraphProgram:
         self._ready = True
         nodes = list(graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
+        # fx renames a placeholder it specialises ("mask" -> "mask_1"): take the forward's names
+        params = _parameter_names(self.model)
+        self.arg_names = (
+            params if len(params) == len(self.placeholders) else [str(n.target) for n in self.placeholders]
+        )
         self.output = next(n for n in nodes if n.op == "output")
         self.nodes = [n for n in nodes if n.op not in ("placeholder", "output")]
         index = {n: i for i, n in enumerate(self.nodes)}
@@ -127,8 +153,7 @@ class GraphProgram:
         """Map forward arguments onto the graph's placeholders."""
         env: dict[str, Any] = {}
         args_left = list(args)
-        for node in self.placeholders:
-            name = str(node.target)
+        for node, name in zip(self.placeholders, self.arg_names):
             if args_left:
                 env[node.name] = args_left.pop(0)
             elif name in kwargs:
@@ -137,8 +162,11 @@ class GraphProgram:
                 env[node.name] = node.args[0]
             else:
                 raise TypeError(f"{type(self.model).__name__}.forward() missing argument {name!r}")
-            if env[node.name] is None and node.users:
-                raise UnbindableError(name)
+            if name in self.none_args:
+                if env[node.name] is not None:
+                    raise UnbindableError(name, "was traced as None and is given now")
+            elif env[node.name] is None and node.users:
+                raise UnbindableError(name, "was traced as given and is None now")
         if args_left:
             raise TypeError(
                 f"{type(self.model).__name__}.forward() got {len(args)} positional arguments, too many"
@@ -329,16 +357,55 @@ class _Tracer(fx.Tracer):
             torch._C._set_grad_enabled = real
 
 
-def trace_program(model: nn.Module) -> GraphProgram:
-    """Trace ``model`` with ``torch.fx``.
+def none_pattern(
+    model: nn.Module, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None
+) -> frozenset[str]:
+    """The forward's arguments that are ``None`` in a call ``model(*args, **kwargs)``, or with
+    ``args=None``, those whose default is ``None`` (NOTE [Optional arguments])."""
+    signature = _forward_signature(model)
+    if signature is None:
+        return frozenset()
+    if args is None:
+        return frozenset(n for n, p in signature.parameters.items() if p.default is None)
+    try:
+        bound = signature.bind(*args, **(kwargs or {}))
+    except TypeError:
+        return frozenset()  # the call itself is wrong; binding will say so
+    bound.apply_defaults()
+    plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(
+        n for n, v in bound.arguments.items() if v is None and signature.parameters[n].kind in plain
+    )
+
+
+def _forward_signature(model: nn.Module) -> inspect.Signature | None:
+    """The signature fx traces: the class's ``forward``, without ``self``."""
+    try:
+        signature = inspect.signature(type(model).forward)
+    except (TypeError, ValueError):
+        return None
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def _parameter_names(model: nn.Module) -> list[str]:
+    signature = _forward_signature(model)
+    return [] if signature is None else list(signature.parameters)
+
+
+def _concrete(none_args: frozenset[str]) -> dict[str, Any] | None:
+    return {name: None for name in sorted(none_args)} or None
+
+
+def trace_program(model: nn.Module, none_args: frozenset[str] = frozenset()) -> GraphProgram:
+    """Trace ``model`` with ``torch.fx``, the arguments in ``none_args`` specialised to ``None``.
 
     Raises:
         UntraceableError: tracing failed. Tracing runs the model's own code on proxies, so any
             exception it raises means "not traceable"; its type and first line are kept.
     """
-    program = GraphProgram(model)
+    program = GraphProgram(model, none_args)
     try:
-        graph = _Tracer().trace(model)
+        graph = _Tracer().trace(model, concrete_args=_concrete(none_args))
     except Exception as err:  # the model's code, run on proxies, may raise anything
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise UntraceableError(f"{type(err).__name__}: {first}") from err
