@@ -24,7 +24,7 @@ from autockpt.execution.forward import CheckpointedForward, install, installed, 
 from autockpt.measure.losses import LossFn
 from autockpt.measure.step import measure_step
 from autockpt.plan import Plan, set_applier
-from autockpt.planning import SegmentsSpec, check_spec, prepare
+from autockpt.planning import SegmentsSpec, prepare, reused_dry_run
 from autockpt.tensors import as_args
 from autockpt.units import format_bytes
 from autockpt.walkers import walk
@@ -94,7 +94,6 @@ def auto_checkpoint(
         2
     """
     _check_module(model, "auto_checkpoint")
-    check_spec(segments, "auto_checkpoint")
     if (inner := _compiled_inner(model)) is not None:
         auto_checkpoint(inner, segments, budget=budget, example_inputs=example_inputs,
                         example_kwargs=example_kwargs, mode=mode, loss_fn=loss_fn, check=check)  # fmt: skip
@@ -166,7 +165,6 @@ def make_plan(
         ('0+1', '2', '3')
     """
     _check_module(model, "make_plan")
-    check_spec(segments, "make_plan")
     model = _compiled_inner(model) or model
     return prepare(
         model, segments, budget, example_inputs, example_kwargs, mode,
@@ -179,9 +177,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     _check_module(model, "Plan.apply")
     walked = walk(model, plan.walker, where="Plan.apply")
     chain = chain_from_names(plan.walker, walked.units, plan.stage_names)
-    previous = _previous(model)
-    same = previous is not None and [u.name for u in previous[0]] == [u.name for u in walked.units]
-    install(model, walked, chain, plan, plan, previous[1] if previous is not None and same else None)
+    install(model, walked, chain, plan, plan, reused_dry_run(walked, _previous(model)))
     return model
 
 

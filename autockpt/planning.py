@@ -34,7 +34,7 @@ from autockpt.units import format_bytes, parse_budget
 from autockpt.walkers import Walked, walk
 from autockpt.walkers.graph import none_pattern
 
-__all__ = ["BudgetCosts", "SegmentsSpec", "build_plan", "check_spec", "describe_peak", "prepare"]
+__all__ = ["BudgetCosts", "SegmentsSpec", "build_plan", "describe_peak", "prepare", "reused_dry_run"]
 
 SegmentsSpec = int | str | Planner | Plan
 
@@ -73,7 +73,9 @@ def prepare(
     has_inputs = example_inputs is not None or bool(example_kwargs)
     none_args = none_pattern(model, args, kwargs) if has_inputs else None  # trace for this call
     walked = walk(model, mode, where=where, none_args=none_args)
-    dry = dry_run(model, walked, args, kwargs, where=where) if has_inputs else _reuse(walked, previous)
+    dry = (
+        dry_run(model, walked, args, kwargs, where=where) if has_inputs else reused_dry_run(walked, previous)
+    )
     chain = build_chain(walked.walker, walked.units, dry)
     costs = None
     if budget is not None:
@@ -104,7 +106,7 @@ def _check_arguments(
     loss_fn: object,
     where: str,
 ) -> None:
-    check_spec(segments, where)
+    _check_spec(segments, where)
     if budget is not None and segments not in ("sqrt", "budget"):
         raise ValueError(f"{where}: got both segments={segments!r} and budget={budget!r}. Pass one of them.")
     if loss_fn is not None and budget is None:
@@ -123,7 +125,7 @@ def _check_arguments(
         )
 
 
-def check_spec(spec: object, where: str) -> None:
+def _check_spec(spec: object, where: str) -> None:
     """Raise ``TypeError`` unless ``spec`` is a valid ``segments=`` argument."""
     if isinstance(spec, bool) or not (isinstance(spec, (int, str, Plan)) or callable(spec)):
         raise TypeError(
@@ -132,7 +134,9 @@ def check_spec(spec: object, where: str) -> None:
         )
 
 
-def _reuse(walked: Walked, previous: tuple[tuple[Unit, ...], DryRun | None] | None) -> DryRun | None:
+def reused_dry_run(walked: Walked, previous: tuple[tuple[Unit, ...], DryRun | None] | None) -> DryRun | None:
+    """The installed plan's dry run (``previous``: its units and dry run), if the walk found
+    the very same units again; ``None`` otherwise (the first training forward runs one)."""
     if previous is None:
         return None
     units, dry = previous

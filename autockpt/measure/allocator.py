@@ -177,20 +177,17 @@ class _CudaRecorder(_Recorder):
         super().__init__()
         self.device = device
         self._begun_at = 0
-        self._marks: list[torch.Tensor] = []
+        self._marks: set[int] = set()  # addresses of the live markers
+        self._live: list[torch.Tensor] = []  # the markers, kept alive until the session ends
 
     def mark(self) -> None:
-        self._marks.append(self._mark_allocation())
+        self._marks.add(self._mark_allocation())
 
-    def _mark_allocation(self) -> Any:
-        """A tiny block, kept alive until the session ends; its address marks the trace."""
-        return torch.empty(1, dtype=torch.uint8, device=self.device)
-
-    def _mark_addresses(self) -> set[int]:
-        return {
-            int(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else int(t)
-            for t in self._marks
-        }
+    def _mark_allocation(self) -> int:
+        """Allocate a tiny block and keep it alive; its address marks the trace."""
+        t = torch.empty(1, dtype=torch.uint8, device=self.device)
+        self._live.append(t)
+        return int(t.untyped_storage().data_ptr())
 
     def _trace(self) -> list[dict[str, Any]]:
         traces = torch.cuda.memory._snapshot(self.device)["device_traces"]
@@ -214,9 +211,9 @@ class _CudaRecorder(_Recorder):
 
     def _end(self, *, final: bool) -> list[int | None]:
         torch.cuda.synchronize(self.device)
-        deltas = cuda_deltas(self._trace()[self._begun_at :], self._mark_addresses())
+        deltas = cuda_deltas(self._trace()[self._begun_at :], self._marks)
         if final:
-            self._marks = []
+            self._marks, self._live = set(), []
             cls = _CudaRecorder
             cls.open_sessions -= 1
             if cls.open_sessions == 0 and cls.owns_history:

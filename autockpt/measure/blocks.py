@@ -18,7 +18,7 @@ So the model runs one training step here, with three things added for the durati
 The profile's stages are then gap 0, block 0, gap 1, ..., block n-1, gap n; gaps cannot be
 checkpointed (:attr:`Profile.checkpoint_spans`). Inputs shared by several blocks (attention
 masks, rotary tables) are allocated once, before the first block, so they belong to gap 0's
-bytes, not to every block's input. Buffers, RNG and ``.grad`` are left as they were.
+bytes, not to every block's input. Buffers, RNG, ``.grad`` and forwards are left as they were.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from autockpt.chain import Chain
+from autockpt.errors import AutockptError
 from autockpt.measure.losses import default_loss
 from autockpt.measure.memory import Windows
 from autockpt.measure.profiling import Profile, measure_stage
 from autockpt.planners import StageCost
-from autockpt.sandbox import dry_run_state
+from autockpt.sandbox import preserved, recomputing
 from autockpt.tensors import device_of, requiring_grad, storage_bytes, storage_sizes, tensors_in
 
 __all__ = ["profile_blocks"]
@@ -93,33 +94,25 @@ def profile_blocks(
     outside = [p for p in model.parameters() if p.requires_grad and id(p) not in in_block]
     alone: dict[int, StageCost] = {}
     inputs: dict[int, dict[int, int]] = {}  # per block: storage key -> bytes of its inputs
-    grads = [(p, p.grad) for p in model.parameters()]
     # the caller's inputs get no .grad: the step runs on copies, requiring grad where they do
     (call_args, call_kwargs), _ = requiring_grad((list(args), kwargs), as_given=True)
-    forwards = [(b, "forward" in b.__dict__, b.__dict__.get("forward")) for b in blocks]
-    try:
-        with dry_run_state(model, [list(args), kwargs]), Windows(device) as windows:
-            step = _Step(windows, outside)
-            for i, (block, call) in enumerate(zip(blocks, calls)):
-                block.__dict__["forward"] = _measuring_forward(
-                    i, block, call, step, alone, inputs, device, repeats
-                )
-            step.mark("gap 0")
-            out = model(*call_args, **call_kwargs)
-            step.mark("loss")
-            loss = default_loss(out)
-            step.mark(f"bwd gap {len(blocks)}")
-            if loss.requires_grad:
-                loss.backward()
-            del loss, out
-            step.mark("end")
-    finally:
-        for block, had, fwd in forwards:
-            block.__dict__.pop("forward", None)
-            if had:
-                block.__dict__["forward"] = fwd
-        for p, g in grads:
-            p.grad = g
+    # preserved puts back the blocks' forwards, buffers, .grad and the RNG afterwards
+    with preserved(model, [list(args), kwargs]) as fresh, recomputing(), Windows(device) as windows:
+        fresh()
+        step = _Step(windows, outside)
+        for i, (block, call) in enumerate(zip(blocks, calls)):
+            block.__dict__["forward"] = _measuring_forward(
+                i, block, call, step, alone, inputs, device, repeats
+            )
+        step.mark("gap 0")
+        out = model(*call_args, **call_kwargs)
+        step.mark("loss")
+        loss = default_loss(out)
+        step.mark(f"bwd gap {len(blocks)}")
+        if loss.requires_grad:
+            loss.backward()
+        del loss, out
+        step.mark("end")
     return _assemble(chain, alone, inputs, step.by_label(), step.grads, static_bytes, device)
 
 
@@ -177,7 +170,7 @@ def _assemble(
     n = len(chain.stages)
     missing = [chain.names[i] for i in range(n) if i not in alone]
     if missing:
-        raise RuntimeError(
+        raise AutockptError(
             f"profile: blocks {missing} did not run with gradients enabled in a forward of the model, "
             f"so they cannot be measured. Profile with the inputs you train with."
         )
