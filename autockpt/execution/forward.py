@@ -23,6 +23,7 @@ from torch import nn
 
 from autockpt.chain import Chain, DryRun, Unit, build_chain
 from autockpt.errors import AutockptError
+from autockpt.execution.caches import without_caches
 from autockpt.execution.runtime import SegmentRuntime, build_runtime, run_segments
 from autockpt.measure.dry_run import probe_units
 from autockpt.plan import Plan
@@ -34,11 +35,14 @@ from autockpt.walkers.graph import UnbindableError, none_pattern
 
 __all__ = ["BlockForward", "CheckpointedForward", "install", "installed", "uninstall"]
 
+logger = logging.getLogger(__name__)
+
 
 class BlockForward:
     """What a checkpointed block's ``forward`` is: a checkpoint around its own forward."""
 
     _autockpt_forward = True
+    told_caches = False
 
     def __init__(self, runtime: SegmentRuntime, call: BlockCall) -> None:
         self.runtime = runtime
@@ -47,10 +51,11 @@ class BlockForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.call((args, kwargs))
+        args, kwargs, changed = without_caches(args, kwargs)
+        if changed and not BlockForward.told_caches:
+            BlockForward.told_caches = True
+            logger.info("autockpt: checkpointed blocks run without a cache (%s)", ", ".join(changed))
         return run_segments((self.runtime,), (args, kwargs))
-
-
-logger = logging.getLogger(__name__)
 
 
 class CheckpointedForward:

@@ -1,0 +1,112 @@
+"""Key/value caches never cross a recompute: checkpointed blocks run without one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_same_state
+from torch import nn
+
+import autockpt
+
+
+class Cache:
+    """Stands in for Hugging Face's ``Cache``: recognised by its class name."""
+
+
+class KeyValueCache(Cache):
+    def __init__(self) -> None:
+        self.keys: list[list[torch.Tensor]] = []
+
+    def update(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """Append ``k`` to the layer's keys and return all of them, as a KV cache does."""
+        while len(self.keys) <= layer:
+            self.keys.append([])
+        self.keys[layer].append(k)
+        return torch.cat(self.keys[layer], dim=1)
+
+
+class Layer(nn.Module):
+    def __init__(self, index: int, width: int = 8) -> None:
+        super().__init__()
+        self.index = index
+        self.key = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, cache: KeyValueCache | None = None, use_cache: bool = False) -> torch.Tensor:
+        k = self.key(h)
+        if use_cache and cache is not None:
+            k = cache.update(self.index, k)
+        scores = torch.einsum("bqd,bkd->bqk", h, k).softmax(-1)  # shape depends on the cache
+        return h + self.out(torch.einsum("bqk,bkd->bqd", scores, k))
+
+
+class Decoder(nn.Module):
+    """Builds a fresh cache each call when ``use_cache``, as HF decoders do in training."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(i) for i in range(layers))
+
+    def forward(self, h: torch.Tensor, use_cache: bool = True) -> tuple[torch.Tensor, KeyValueCache]:
+        cache = KeyValueCache()
+        if h.sum() > 1e9:  # data-dependent control flow: fx cannot trace it, the block walker runs
+            h = h * 2
+        for layer in self.layers:
+            h = layer(h, cache=cache, use_cache=use_cache)
+        return h, cache
+
+
+def test_checkpointed_blocks_run_without_a_cache_and_train_exactly() -> None:
+    torch.manual_seed(0)
+    model, x = Decoder(), torch.randn(2, 5, 8)
+    ref = copy.deepcopy(model)
+    ck = autockpt.auto_checkpoint(model, segments=4)
+    assert autockpt.make_plan(copy.deepcopy(ref), segments=4).walker == "blocks"
+    out_ref, _ = ref(x, use_cache=False)
+    out_ref.sum().backward()
+    out, cache = ck(x)  # with use_cache=True: a recompute would append to the cache again
+    out.sum().backward()
+    assert torch.equal(out, out_ref)
+    assert_same_state(ref, ck)
+    assert all(not keys for keys in cache.keys)
+
+
+def test_without_gradients_blocks_keep_their_cache() -> None:
+    torch.manual_seed(0)
+    model, x = Decoder(), torch.randn(2, 5, 8)
+    ref = copy.deepcopy(model)
+    ck = autockpt.auto_checkpoint(model, segments=4)
+    with torch.no_grad():
+        out, cache = ck(x)
+        out_ref, cache_ref = ref(x)
+    assert torch.equal(out, out_ref)
+    assert [len(k) for k in cache.keys] == [len(k) for k in cache_ref.keys] == [1] * 4
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hugging_face_decoders_train_exactly_on_a_padded_batch(arch: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                         bos_token_id=0, eos_token_id=0)  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
+                                          bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(1, 64, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, -4:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    ref = copy.deepcopy(model)
+    ck = autockpt.auto_checkpoint(model, example_kwargs=kwargs)
+    for m in (ref, ck):
+        torch.manual_seed(1)
+        m(**kwargs).loss.backward()
+    assert_same_state(ref, ck)
