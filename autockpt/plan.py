@@ -227,10 +227,13 @@ class Plan:
         lines = [head]
         for r in rows:
             lines.append("  ".join(r[c].ljust(widths[c]) for c in range(3)) + "  " + r[3])
-        lines.append(
-            f"recomputed in backward: {self.recomputed_stages} of {self.n_stages} stage forwards "
-            f"(the last segment is not checkpointed: backward needs its activations at once)"
+        why = (
+            "each checkpointed block is recomputed on its own"
+            if self.walker == "blocks"
+            else "the last segment is not checkpointed: backward needs its activations at once"
         )
+        lines.append(f"recomputed in backward: {self.recomputed_stages} of {self.n_stages} stage forwards")
+        lines[-1] += f" ({why})"
         if self.predicted_peak_bytes is not None:
             lines.append(f"predicted peak: {format_bytes(self.predicted_peak_bytes)}")
         if self.predicted_recompute_ms is not None:

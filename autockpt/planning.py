@@ -27,7 +27,7 @@ from autockpt.measure.model_profile import model_profile
 from autockpt.measure.profiling import Profile
 from autockpt.plan import Plan, Segment
 from autockpt.planners import Planner, PlanRequest, get_planner, run_planner
-from autockpt.planners.basic import sqrt_segment_count, uniform_plan
+from autockpt.planners.basic import uniform_plan
 from autockpt.planners.budget import predict
 from autockpt.tensors import as_args
 from autockpt.units import format_bytes, parse_budget
@@ -216,7 +216,7 @@ def _spec_segments(chain: Chain, spec: SegmentsSpec, where: str) -> tuple[tuple[
         return uniform_plan(n, spec), str(spec)
     if isinstance(spec, str):
         if chain.walker == "blocks" and spec.strip().lower() == "sqrt":
-            return _spread(n, sqrt_segment_count(n)), "sqrt"
+            return _spread(n, n), "sqrt"  # NOTE [sqrt on blocks]
         return run_planner(get_planner(spec, where=where), request, where=where), spec.strip().lower()
     if isinstance(spec, Plan):  # build_plan passes plans through before asking for segments
         raise TypeError(f"{where}: a Plan has its segments already")
@@ -279,6 +279,16 @@ def describe_peak(at: tuple[int, int, str], names: Sequence[str]) -> str:
         span = repr(names[start]) if stop == start + 1 else f"{names[start]!r}..{names[stop - 1]!r}"
         return f"the recompute and backward of the checkpointed segment {span}"
     return f"the {phase} of stage {names[start]!r}"
+
+
+# NOTE [sqrt on blocks]
+#     The sqrt rule balances k kept segment inputs against one segment's activations:
+#     k + n/k. The block walker cannot group blocks: a checkpoint holds exactly one block,
+#     so with k of n blocks checkpointed the peak holds the other n - k blocks' activations
+#     a and the k inputs b, (n - k) a + k b, falling with every block checkpointed while
+#     a > b (a transformer layer saves ~60x its input). Every block is checkpointed, which
+#     recomputes one forward in all, as the sqrt rule on a chain does, and is what HF's
+#     gradient_checkpointing_enable does.
 
 
 def _spread(n: int, k: int) -> tuple[Segment, ...]:

@@ -35,7 +35,9 @@ class Layer(nn.Module):
         self.key = nn.Linear(width, width)
         self.out = nn.Linear(width, width)
 
-    def forward(self, h: torch.Tensor, cache: KeyValueCache | None = None, use_cache: bool = False) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, cache: KeyValueCache | None = None, use_cache: bool = False
+    ) -> torch.Tensor:
         k = self.key(h)
         if use_cache and cache is not None:
             k = cache.update(self.index, k)

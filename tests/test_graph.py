@@ -147,11 +147,11 @@ def test_untraceable_model_falls_back_to_blocks_and_says_why() -> None:
     assert plan.stage_names == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
     assert any("graph walker: torch.fx could not trace it" in n for n in plan.notes)
     assert "graph walker" in str(plan)
-    assert sum(1 for b in model.blocks if "forward" in vars(b)) == plan.checkpointed_segments == 2
+    assert sum(1 for b in model.blocks if "forward" in vars(b)) == plan.checkpointed_segments == 4
 
 
 @pytest.mark.parametrize(
-    ("segments", "expected"), [(1, [2]), (2, [1, 3]), (4, [0, 1, 2, 3]), ("sqrt", [1, 3])]
+    ("segments", "expected"), [(1, [2]), (2, [1, 3]), (4, [0, 1, 2, 3]), ("sqrt", [0, 1, 2, 3])]
 )
 def test_block_counts_are_evenly_spread(segments: Any, expected: list[int]) -> None:
     plan = autockpt.make_plan(BranchyGPT(), segments, mode="blocks")
@@ -298,3 +298,46 @@ def test_optional_arguments_are_traced_for_the_call_and_checkpointed_either_way(
     assert_same_state(ref, model)
     patterns = {*model.forward.traced, model.forward.walked.program.none_args}
     assert patterns == {frozenset(), frozenset({"mask"})}
+
+
+class WritesIntoItsInput(nn.Module):
+    """A residual block whose code starts by writing into its input, as many blocks do."""
+
+    def __init__(self, how: str, width: int = 32) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.how == "torch.relu_":
+            h = torch.relu_(h)
+        elif self.how == "inplace=True":
+            h = nn.functional.relu(h, inplace=True)
+        else:
+            h = h.mul_(0.5)
+        return h + self.b(torch.tanh(self.a(h)))
+
+
+class InPlaceStack(nn.Module):
+    def __init__(self, how: str, n: int = 6, width: int = 32) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Linear(width, width), nn.Linear(width, 4)
+        self.blocks = nn.ModuleList(WritesIntoItsInput(how, width) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("how", ["torch.relu_", "inplace=True", "Tensor.mul_"])
+def test_blocks_that_start_by_writing_into_their_input_stay_separate_stages(how: str) -> None:
+    x = torch.randn(64, 32, dtype=D)
+    model = InPlaceStack(how).to(D)
+    plan = autockpt.make_plan(model, example_inputs=(x,))
+    assert plan.stage_names == ("stem", *(f"blocks.{i}" for i in range(6)), "head")
+    assert plan.checkpointed_segments >= 2
+    plain = peak(copy.deepcopy(model), (x,))
+    same_training(model, (x,), example_inputs=(x,))
+    assert peak(model, (x,)) < plain

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,15 @@ import torch
 from torch import fx, nn
 
 from autockpt.chain import Unit
+from autockpt.walkers.graph_nodes import (
+    META_METHODS,
+    PURE_FUNCTIONS,
+    PURE_METHODS,
+    GradModeTracer,
+    has_hooks,
+    module_path,
+    mutated_arg,
+)
 
 __all__ = [
     "GraphProgram",
@@ -58,27 +66,6 @@ class UnbindableError(Exception):
 
 class UntraceableError(Exception):
     """``torch.fx`` could not trace the model (the walker then tries the next one)."""
-
-
-# Functions and methods that draw no random numbers; anything else in a unit makes the
-# runtime keep torch's RNG stash for it (see RNG_FREE in execution/runtime.py).
-_PURE_FUNCTIONS = {
-    operator.add, operator.iadd, operator.mul, operator.imul, operator.sub, operator.truediv,
-    operator.getitem, operator.matmul, operator.neg, getattr,
-    torch.flatten, torch.cat, torch.stack, torch.add, torch.mul, torch.matmul, torch.relu,
-    torch.tanh, torch.sigmoid, torch.softmax, torch.arange, torch.ones, torch.zeros, torch.tril,
-    torch.transpose, torch.permute, torch.reshape, torch.chunk, torch.split, torch._C._set_grad_enabled,
-    nn.functional.relu, nn.functional.gelu, nn.functional.silu, nn.functional.softmax,
-    nn.functional.layer_norm, nn.functional.linear, nn.functional.adaptive_avg_pool2d,
-    nn.functional.scaled_dot_product_attention,
-}  # fmt: skip
-_PURE_METHODS = {
-    "view", "reshape", "flatten", "size", "dim", "permute", "transpose", "contiguous", "add",
-    "add_", "mul", "mul_", "relu", "relu_", "mean", "sum", "chunk", "split", "unsqueeze",
-    "squeeze", "expand", "masked_fill", "masked_fill_", "softmax", "matmul", "t", "to", "float",
-    "type_as", "__getitem__",
-}  # fmt: skip
-_META_METHODS = {"size", "dim"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,7 +98,7 @@ class GraphProgram:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or self.__dict__.get("_ready", True):
             raise AttributeError(name)
-        self.load(_Tracer().trace(self.model, concrete_args=_concrete(self.none_args)))
+        self.load(GradModeTracer().trace(self.model, concrete_args=_concrete(self.none_args)))
         return getattr(self, name)
 
     def load(self, graph: fx.Graph) -> None:
@@ -213,7 +200,7 @@ class GraphProgram:
         for node in self.nodes:
             inputs = node.all_input_nodes
             only_output = bool(node.users) and all(u.op == "output" for u in node.users)
-            meta = node.op == "call_method" and node.target in _META_METHODS
+            meta = node.op == "call_method" and node.target in META_METHODS
             derived = node.op in ("call_function", "call_method") and all(i.name in out for i in inputs)
             if node.op == "get_attr" or only_output or meta or derived:
                 out.add(node.name)
@@ -238,12 +225,32 @@ class GraphProgram:
                 grad = bool(prev.args[0])
             if alive <= 1 and grad:  # never cut inside a no-grad region
                 cuts.append(p)
-        return cuts
+        return self._past_in_place(cuts)
+
+    def _past_in_place(self, cuts: list[int]) -> list[int]:
+        """Move each cut in front of an in-place write into the value crossing it to just
+        after that write, where the cut is as good.
+
+        A block whose code starts with ``torch.relu_(x)`` writes into its input; a checkpoint
+        starting there would keep a tensor that is then changed, so the dry run would fuse
+        the block with the one before (NOTE [In-place boundaries] in ``chain.py``), and a
+        stack of such blocks would become one stage. The write runs at the same moment
+        either way; after the move it ends the previous piece and the checkpoint keeps
+        its result.
+        """
+        valid = set(cuts)
+        out = []
+        for p in cuts:
+            target = mutated_arg(self.nodes[p], self.model) if 0 < p < len(self.nodes) else None
+            if target is not None and self.index.get(target, p) < p and p + 1 in valid:
+                continue
+            out.append(p)
+        return out
 
     def mutates_before(self, start: int, stop: int) -> bool:
         """Whether a node in ``[start, stop)`` writes in place into a value defined before ``start``."""
         for node in self.nodes[start:stop]:
-            target = _mutated_arg(node, self.model)
+            target = mutated_arg(node, self.model)
             if target is not None and (target.op == "placeholder" or self.index.get(target, start) < start):
                 return True
         return False
@@ -266,14 +273,18 @@ class GraphProgram:
 
     def piece_pure(self, start: int, stop: int) -> bool:
         for node in self.nodes[start:stop]:
-            if node.op == "call_function" and node.target not in _PURE_FUNCTIONS:
+            if node.op == "call_function" and node.target not in PURE_FUNCTIONS:
                 return False
-            if node.op == "call_method" and node.target not in _PURE_METHODS:
+            if node.op == "call_method" and node.target not in PURE_METHODS:
                 return False
         return True
 
     def piece_name(self, start: int, stop: int) -> str:
-        paths = [_module_path(n) for n in self.nodes[start:stop]]
+        """The deepest module path holding the piece's nodes; an in-place write moved to the
+        end of the piece (:meth:`_past_in_place`) belongs to the next block and is left out."""
+        while stop - start > 1 and mutated_arg(self.nodes[stop - 1], self.model) is not None:
+            stop -= 1
+        paths = [module_path(n) for n in self.nodes[start:stop]]
         named = [p for p in paths if p]
         if not named:
             return str(self.nodes[start].name)
@@ -298,63 +309,6 @@ class GraphProgram:
         if len(kinds) > 3:
             return f"{kinds[0]}..{kinds[-1]} ({len(kinds)} modules)"
         return "+".join(kinds)
-
-
-def has_hooks(m: nn.Module) -> bool:
-    """Whether ``m`` has forward or backward hooks of its own."""
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
-
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return str(node.target) if node.op == "call_module" else ""
-    key = list(stack.keys())[-1]
-    value = stack[key]
-    path = value[0] if isinstance(value, tuple) else key
-    return str(path).split("@")[0]
-
-
-def _mutated_arg(node: fx.Node, model: nn.Module) -> fx.Node | None:
-    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    if first is None:
-        return None
-    if node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).startswith("__"):
-        return first
-    if node.op == "call_function" and (
-        node.kwargs.get("inplace") is True or node.target in (operator.iadd, operator.imul)
-    ):
-        return first
-    if node.op == "call_module" and getattr(model.get_submodule(str(node.target)), "inplace", False) is True:
-        return first
-    return None
-
-
-class _Tracer(fx.Tracer):
-    """``fx.Tracer`` that also records grad-mode switches (``with torch.no_grad():``).
-
-    Plain symbolic tracing drops them, which would make a no-grad region record gradients.
-    Buffers are traced as graph values, so code may slice them with traced sizes.
-    """
-
-    proxy_buffer_attributes = True
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        """Modules with hooks stay whole, so their hooks fire as in eager mode."""
-        return super().is_leaf_module(m, module_qualified_name) or has_hooks(m)
-
-    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
-        real = torch._C._set_grad_enabled
-
-        def record(mode: bool) -> None:
-            self.create_proxy("call_function", real, (bool(mode),), {})
-            real(mode)
-
-        torch._C._set_grad_enabled = record  # type: ignore[assignment]
-        try:
-            return super().trace(root, concrete_args)
-        finally:
-            torch._C._set_grad_enabled = real
 
 
 def none_pattern(
@@ -405,7 +359,7 @@ def trace_program(model: nn.Module, none_args: frozenset[str] = frozenset()) -> 
     """
     program = GraphProgram(model, none_args)
     try:
-        graph = _Tracer().trace(model, concrete_args=_concrete(none_args))
+        graph = GradModeTracer().trace(model, concrete_args=_concrete(none_args))
     except Exception as err:  # the model's code, run on proxies, may raise anything
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise UntraceableError(f"{type(err).__name__}: {first}") from err

@@ -1,0 +1,111 @@
+"""What the graph walker needs to know about single fx nodes and the tracer that makes them.
+
+Which calls draw no random numbers (the runtime skips torch's RNG stash for units made of
+them only), which write into an argument in place, which module a node belongs to, and a
+tracer that records ``no_grad`` regions and keeps modules with hooks whole.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+__all__ = [
+    "META_METHODS",
+    "PURE_FUNCTIONS",
+    "PURE_METHODS",
+    "GradModeTracer",
+    "has_hooks",
+    "module_path",
+    "mutated_arg",
+]
+
+# Functions and methods that draw no random numbers; anything else in a unit makes the
+# runtime keep torch's RNG stash for it (see RNG_FREE in execution/runtime.py).
+PURE_FUNCTIONS = {
+    operator.add, operator.iadd, operator.mul, operator.imul, operator.sub, operator.truediv,
+    operator.getitem, operator.matmul, operator.neg, getattr,
+    torch.flatten, torch.cat, torch.stack, torch.add, torch.mul, torch.matmul, torch.relu,
+    torch.tanh, torch.sigmoid, torch.softmax, torch.arange, torch.ones, torch.zeros, torch.tril,
+    torch.transpose, torch.permute, torch.reshape, torch.chunk, torch.split, torch._C._set_grad_enabled,
+    nn.functional.relu, nn.functional.gelu, nn.functional.silu, nn.functional.softmax,
+    nn.functional.layer_norm, nn.functional.linear, nn.functional.adaptive_avg_pool2d,
+    nn.functional.scaled_dot_product_attention,
+}  # fmt: skip
+PURE_METHODS = {
+    "view", "reshape", "flatten", "size", "dim", "permute", "transpose", "contiguous", "add",
+    "add_", "mul", "mul_", "relu", "relu_", "mean", "sum", "chunk", "split", "unsqueeze",
+    "squeeze", "expand", "masked_fill", "masked_fill_", "softmax", "matmul", "t", "to", "float",
+    "type_as", "__getitem__",
+}  # fmt: skip
+META_METHODS = {"size", "dim"}
+
+
+def has_hooks(m: nn.Module) -> bool:
+    """Whether ``m`` has forward or backward hooks of its own."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def module_path(node: fx.Node) -> str:
+    """The qualified name of the module whose code produced ``node`` (\"\" outside any)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return str(node.target) if node.op == "call_module" else ""
+    key = list(stack.keys())[-1]
+    value = stack[key]
+    path = value[0] if isinstance(value, tuple) else key
+    return str(path).split("@")[0]
+
+
+def mutated_arg(node: fx.Node, model: nn.Module) -> fx.Node | None:
+    """The argument ``node`` writes into in place (a trailing-underscore method, ``inplace=True``,
+    ``+=``, a module with ``inplace=True``), or ``None``."""
+    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if first is None:
+        return None
+    if node.op == "call_method" and _in_place_name(str(node.target)):
+        return first
+    if node.op == "call_function" and (
+        node.kwargs.get("inplace") is True
+        or node.target in (operator.iadd, operator.imul)
+        or _in_place_name(getattr(node.target, "__name__", ""))
+    ):
+        return first
+    if node.op == "call_module" and getattr(model.get_submodule(str(node.target)), "inplace", False) is True:
+        return first
+    return None
+
+
+class GradModeTracer(fx.Tracer):
+    """``fx.Tracer`` that also records grad-mode switches (``with torch.no_grad():``).
+
+    Plain symbolic tracing drops them, which would make a no-grad region record gradients.
+    Buffers are traced as graph values, so code may slice them with traced sizes.
+    """
+
+    proxy_buffer_attributes = True
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """Modules with hooks stay whole, so their hooks fire as in eager mode."""
+        return super().is_leaf_module(m, module_qualified_name) or has_hooks(m)
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        real = torch._C._set_grad_enabled
+
+        def record(mode: bool) -> None:
+            self.create_proxy("call_function", real, (bool(mode),), {})
+            real(mode)
+
+        torch._C._set_grad_enabled = record  # type: ignore[assignment]
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            torch._C._set_grad_enabled = real
+
+
+def _in_place_name(name: str) -> bool:
+    """torch's naming rule: ``relu_``, ``add_``, but not ``__getitem__``."""
+    return name.endswith("_") and not name.startswith("__")
