@@ -6,9 +6,10 @@
     autockpt plan mypkg.nets:gpt --input 8x1024:int64 --device meta --budget 40GiB --loss cross-entropy
 
 Tables for people by default, ``--json`` for machines. Exit codes: 0 success, 1 when
-``verify`` finds a mismatch, a budget is infeasible or anything else goes wrong (printed as
-one line; ``--debug`` shows the traceback), 2 for a bad command line (unknown module, bad
-shape string) as argparse does.
+``verify`` finds a mismatch or a budget is infeasible, 2 for a bad command line (unknown
+module, bad shape string) as argparse does, 3 when building, planning or running the model
+raises (printed as one line saying whether the model's code or autockpt raised it;
+``--debug`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ import contextlib
 import importlib
 import json
 import sys
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from autockpt.errors import PlanInfeasibleError
 
 __all__ = ["budget_arg", "cross_entropy_loss", "load_factory", "main", "parse_input"]
 
@@ -269,9 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code.
 
-    Only a bad command line exits with 2 (argparse's usage error). Anything raised while
-    building, planning or running the model is printed as one ``autockpt: error:`` line and
-    exits with 1; ``--debug`` lets the traceback through instead.
+    Exit codes: 0 done; 1 the answer is no (``verify`` found a mismatch, ``plan`` an
+    infeasible budget); 2 a bad command line (argparse's usage error); 3 an error while
+    building, planning or running the model, printed as one ``autockpt: error:`` line that
+    says whether the model's code or autockpt raised it. ``--debug`` lets the traceback
+    through instead.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -281,12 +288,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.run(args)
     except CommandLineError as err:
         parser.error(str(err))
+    except PlanInfeasibleError as err:  # an answer, not a failure: no plan fits
+        print(f"autockpt: {err}", file=sys.stderr)
+        return 1
     except Exception as err:
         if args.debug:
             raise
-        print(f"autockpt: error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
+        print(f"autockpt: error: {_raised_by(err)} {type(err).__name__}: {err}", file=sys.stderr)
+        return ERROR_EXIT
     return code
+
+
+ERROR_EXIT = 3
+
+
+def _raised_by(err: BaseException) -> str:
+    """Who raised ``err``: the innermost frame inside autockpt's package, or outside it (the
+    model's code, the factory, torch)."""
+    package = Path(__file__).resolve().parent
+    frames = traceback.extract_tb(err.__traceback__)
+    inside = bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(package)
+    return "autockpt raised" if inside else "the model (or the code it calls) raised"
 
 
 if __name__ == "__main__":

@@ -6,7 +6,16 @@ and a ``segments=`` argument (a count, ``"sqrt"``, a registered name, a callable
 or a budget into a Plan, applying every rule on the way, for every walker alike: the
 stages a dry run fused, segment 0 kept plain when the first module writes into the model's
 input, the block walker's one-block-per-checkpoint constraint, warnings for plans that
-checkpoint nothing. Nothing here touches a model's forward.
+checkpoint nothing or save little. Nothing here touches a model's forward.
+
+NOTE [Never a silent 1.00x]
+    A plan can checkpoint segments and still keep as much for backward as no plan: the
+    walker found two or three stages (a long skip connection crosses every cut), or one
+    stage holds most of the activations and a checkpoint cannot split it. When a dry run
+    has measured the stages, the plan's activation peak is estimated as the sqrt rule
+    estimates it; at ``SAVES_LITTLE`` of the unwrapped estimate or above, the user is
+    warned with the reason and what would help. Budget plans are exempt: their peak is
+    predicted from measured costs and shown.
 """
 
 from __future__ import annotations
@@ -27,14 +36,22 @@ from autockpt.measure.model_profile import model_profile
 from autockpt.measure.profiling import Profile
 from autockpt.plan import Plan, Segment
 from autockpt.planners import Planner, PlanRequest, get_planner, run_planner
-from autockpt.planners.basic import uniform_plan
+from autockpt.planners.basic import estimated_peak, uniform_plan
 from autockpt.planners.budget import predict
 from autockpt.tensors import as_args
 from autockpt.units import format_bytes, parse_budget
 from autockpt.walkers import Walked, walk
 from autockpt.walkers.graph import none_pattern
 
-__all__ = ["BudgetCosts", "SegmentsSpec", "build_plan", "describe_peak", "prepare", "reused_dry_run"]
+__all__ = [
+    "BudgetCosts",
+    "SegmentsSpec",
+    "build_plan",
+    "describe_peak",
+    "prepare",
+    "reused_dry_run",
+    "saves_little",
+]
 
 SegmentsSpec = int | str | Planner | Plan
 
@@ -197,7 +214,46 @@ def build_plan(
         )
         warnings.warn(msg, UserWarning, stacklevel=4)
         plan = dataclasses.replace(plan, notes=(*plan.notes, msg))
+    elif budget is None and spec != "none":
+        why = saves_little(chain, plan)
+        if why is not None:
+            msg = f"{where}: this plan is estimated to save little memory: {why}"
+            warnings.warn(msg, UserWarning, stacklevel=4)
+            plan = dataclasses.replace(plan, notes=(*plan.notes, msg))
     return plan
+
+
+# below this fraction of the unwrapped activation peak a plan counts as saving something
+SAVES_LITTLE = 0.9
+
+
+def saves_little(chain: Chain, plan: Plan) -> str | None:
+    """Why ``plan`` keeps about as much for backward as no checkpointing, with what would
+    help; ``None`` when it saves, or when no dry run measured the stages (NOTE [Never a
+    silent 1.00x])."""
+    inputs, saved = chain.input_bytes, chain.saved_bytes
+    if inputs is None or not saved or sum(saved) <= 0 or plan.checkpointed_segments == 0:
+        return None
+    bounds = [s.start for s in plan.segments] + [plan.n_stages]
+    ratio = estimated_peak(bounds, inputs, saved) / estimated_peak([0, plan.n_stages], inputs, saved)
+    if ratio < SAVES_LITTLE:
+        return None
+    heavy = max(range(len(saved)), key=saved.__getitem__)
+    head = f"its activation peak is {ratio:.2f}x the unwrapped model's"
+    if len(saved) <= 3:
+        return (
+            f"{head}, because the {chain.walker} walker found only {len(saved)} stages "
+            f"({', '.join(chain.names)}): a checkpoint can only start where a single tensor crosses "
+            f"from one part of the model to the next. Try mode='blocks' to checkpoint repeated "
+            f"blocks one by one, or auto_checkpoint the heavy submodule itself."
+        )
+    if saved[heavy] >= 0.5 * sum(saved):
+        return (
+            f"{head}, because stage {chain.names[heavy]!r} alone keeps {format_bytes(saved[heavy])} "
+            f"of the {format_bytes(sum(saved))} kept for backward, and a checkpoint cannot split a "
+            f"stage. auto_checkpoint that submodule itself, or try mode='blocks'."
+        )
+    return f"{head}. A budget (budget=..., example_inputs=...) plans from measured costs instead."
 
 
 def _spec_segments(chain: Chain, spec: SegmentsSpec, where: str) -> tuple[tuple[Segment, ...], str]:

@@ -174,21 +174,34 @@ def test_cli_budget_on_a_block_walked_model(capsys: pytest.CaptureFixture[str]) 
     assert "walker='blocks'" in capsys.readouterr().out
 
 
-def test_cli_reports_internal_errors_as_errors_with_exit_1(
+def test_cli_reports_internal_errors_as_errors_with_exit_3(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import autockpt.planning as planning
+    from autockpt.units import parse_budget
 
+    # an error raised inside autockpt's own code (parse_budget rejects the text)
     def broken(*args: object, **kwargs: object) -> object:
-        raise RuntimeError("internal failure")
+        return parse_budget("nonsense", unwrapped_bytes=1, where="t")
 
     monkeypatch.setattr(planning, "build_plan", broken)
     argv = ["plan", "autockpt.models:NiN", "--input", "2x3x32x32"]
-    assert main(argv) == 1
+    assert main(argv) == 3
     err = capsys.readouterr().err
-    assert "autockpt: error: RuntimeError: internal failure" in err and "usage:" not in err
-    with pytest.raises(RuntimeError, match="internal failure"):
+    assert "autockpt: error: autockpt raised ValueError:" in err and "usage:" not in err
+    with pytest.raises(ValueError, match="nonsense"):
         main([*argv, "--debug"])
+
+
+@pytest.mark.parametrize("command", ["plan", "verify"])
+def test_cli_reports_the_models_own_errors_as_the_models_with_exit_3(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main([command, "autockpt.models:NiN", "--input", "2x5x32x32"])  # 5 channels, NiN takes 3
+    err = capsys.readouterr().err
+    assert code == 3, "exit 1 means verify found a mismatch; 2 a bad command line"
+    assert "the model (or the code it calls) raised RuntimeError:" in err and "3 channels" in err
+    assert "Traceback" not in err and "usage:" not in err
 
 
 def test_profiling_and_the_dry_run_leave_nothing_alive() -> None:

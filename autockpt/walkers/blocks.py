@@ -9,7 +9,9 @@ renamed. The rest of the model runs as written.
 
 Which blocks: among all groups of two or more same-class children of one ``ModuleList`` or
 ``Sequential``, the groups holding the most parameters are taken first, skipping groups
-inside or around a block already taken.
+inside or around a block already taken. A module with no submodules (a ``Linear``, a
+``LayerNorm``: two heads or two norms side by side) is never a block: it keeps its input
+for backward anyway, so a checkpoint around it alone saves nothing and costs a recompute.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         by_class: dict[type, list[tuple[str, nn.Module]]] = {}
         for name, child in container.named_children():
             by_class.setdefault(type(child), []).append((f"{path}.{name}" if path else name, child))
-        groups.extend(g for g in by_class.values() if len(g) >= 2 and _weight(g) > 0)
+        groups.extend(g for g in by_class.values() if len(g) >= 2 and _weight(g) > 0 and _composite(g))
     groups.sort(key=lambda g: (-_weight(g), -len(g)))
     taken: list[tuple[str, nn.Module]] = []
     for group in groups:
@@ -43,6 +45,10 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         taken.extend(group)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return sorted(taken, key=lambda item: order[item[0]])
+
+
+def _composite(group: list[tuple[str, nn.Module]]) -> bool:
+    return any(True for _ in group[0][1].children())
 
 
 def _weight(group: list[tuple[str, nn.Module]]) -> int:
