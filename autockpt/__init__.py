@@ -11,6 +11,7 @@ from autockpt import models
 from autockpt.api import auto_checkpoint, make_plan, restore
 from autockpt.compile_check import GraphBreak, find_graph_breaks
 from autockpt.errors import AutockptError, MutationError, PlanInfeasibleError
+from autockpt.execution.debug import RecomputeMismatchError
 from autockpt.measure.memory import MemoryStats, track_memory
 from autockpt.measure.model_profile import profile
 from autockpt.measure.profiling import Profile
@@ -30,6 +31,7 @@ __all__ = [
     "PlanInfeasibleError",
     "PlanRequest",
     "Profile",
+    "RecomputeMismatchError",
     "Segment",
     "VerifyReport",
     "auto_checkpoint",

@@ -42,6 +42,7 @@ def auto_checkpoint(
     mode: str | None = None,
     loss_fn: LossFn | None = None,
     check: bool = False,
+    debug: bool = False,
 ) -> nn.Module:
     """Checkpoint ``model`` in place so training keeps fewer activations alive.
 
@@ -77,12 +78,20 @@ def auto_checkpoint(
             real peak; if it is above the budget, plan again for a budget lowered by the
             excess (up to three times). The measured figure goes into the plan's notes, and
             a warning says so if the budget could not be kept.
+        debug: compare every op of each recompute with what the forward computed (shape,
+            dtype, device and every bit of its outputs) and raise
+            :class:`~autockpt.RecomputeMismatchError` (an :class:`AutockptError` and a
+            ``torch.utils.checkpoint.CheckpointError``) naming the segment, the stage and
+            the first op whose output differs. For finding a nondeterministic module: it
+            costs a Python dispatch and a digest per op, and a device sync per recomputed
+            op on CUDA. Without it a stage whose output shape, dtype or device differs in
+            the recompute still raises that error, naming the segment and the stage.
 
     Returns:
         ``model`` itself.
 
     Raises:
-        TypeError: ``model`` is not a Module, or ``segments`` has the wrong type.
+        TypeError: ``model`` is not a Module, or ``segments`` or ``debug`` has the wrong type.
         ValueError: ``segments`` is out of range or names no planner.
         AutockptError: the model has nothing to checkpoint or cannot be walked.
 
@@ -94,15 +103,17 @@ def auto_checkpoint(
         2
     """
     _check_module(model, "auto_checkpoint")
+    _check_debug(debug, "auto_checkpoint")
     if (inner := _compiled_inner(model)) is not None:
         auto_checkpoint(inner, segments, budget=budget, example_inputs=example_inputs,
-                        example_kwargs=example_kwargs, mode=mode, loss_fn=loss_fn, check=check)  # fmt: skip
+                        example_kwargs=example_kwargs, mode=mode, loss_fn=loss_fn, check=check,
+                        debug=debug)  # fmt: skip
         return model
     walked, probe, chain, plan = prepare(
         model, segments, budget, example_inputs, example_kwargs, mode,
         where="auto_checkpoint", loss_fn=loss_fn, previous=_previous(model),
     )  # fmt: skip
-    install(model, walked, chain, plan, plan if budget is not None else segments, probe)
+    install(model, walked, chain, plan, plan if budget is not None else segments, probe, debug=debug)
     if check and budget is not None:
         _keep_the_promise(model, example_inputs, example_kwargs, mode, loss_fn)
     return model
@@ -130,7 +141,7 @@ def _keep_the_promise(
             )
         except PlanInfeasibleError:
             break
-        install(model, fwd.walked, chain, plan, plan, probe)
+        install(model, fwd.walked, chain, plan, plan, probe, debug=fwd.debug)
         fwd = _installed_or_fail(model)
         measured = measure_step(model, args, kwargs, loss_fn)
     note = f"measured peak {format_bytes(measured)} for budget {format_bytes(target)}"
@@ -172,12 +183,14 @@ def make_plan(
     )[3]  # fmt: skip
 
 
-def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
-    """Checkpoint ``model`` in place with exactly ``plan`` (see :meth:`Plan.apply`)."""
+def apply_plan(model: nn.Module, plan: Plan, *, debug: bool = False) -> nn.Module:
+    """Checkpoint ``model`` in place with exactly ``plan`` (see :meth:`Plan.apply`); ``debug``
+    as for :func:`auto_checkpoint`."""
     _check_module(model, "Plan.apply")
+    _check_debug(debug, "Plan.apply")
     walked = walk(model, plan.walker, where="Plan.apply")
     chain = chain_from_names(plan.walker, walked.units, plan.stage_names)
-    install(model, walked, chain, plan, plan, reused_dry_run(walked, _previous(model)))
+    install(model, walked, chain, plan, plan, reused_dry_run(walked, _previous(model)), debug=debug)
     return model
 
 
@@ -234,3 +247,8 @@ def _compiled_inner(model: nn.Module) -> nn.Module | None:
 def _check_module(model: object, where: str) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{where}: expected a torch.nn.Module, got {type(model).__name__}.")
+
+
+def _check_debug(debug: object, where: str) -> None:
+    if not isinstance(debug, bool):
+        raise TypeError(f"{where}: debug must be True or False, got {debug!r}.")

@@ -215,9 +215,9 @@ def build_plan(
         warnings.warn(msg, UserWarning, stacklevel=4)
         plan = dataclasses.replace(plan, notes=(*plan.notes, msg))
     elif budget is None and spec != "none":
-        why = saves_little(chain, plan)
-        if why is not None:
-            msg = f"{where}: this plan is estimated to save little memory: {why}"
+        reason = saves_little(chain, plan)
+        if reason is not None:
+            msg = f"{where}: this plan is estimated to save little memory: {reason}"
             warnings.warn(msg, UserWarning, stacklevel=4)
             plan = dataclasses.replace(plan, notes=(*plan.notes, msg))
     return plan

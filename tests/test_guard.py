@@ -1,4 +1,8 @@
-"""The mutation guard: changes between forward and backward that would corrupt a recompute."""
+"""The mutation guard: changes between forward and backward that would corrupt a recompute.
+
+Also the recompute check: a recompute that differs from its forward raises, naming the
+segment and stage, and with ``debug=True`` the first op.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,10 @@ import copy
 
 import pytest
 import torch
-from models_for_tests import GPT
+from helpers import assert_same_state, seeded_step, twin
+from models_for_tests import GPT, BranchyGPT, CallCounter
 from torch import nn
+from torch.utils.checkpoint import CheckpointError
 
 import autockpt
 
@@ -106,3 +112,167 @@ def test_never_fires_on_a_traced_transformer_loop() -> None:
         opt.step()
         opt.zero_grad()
     assert gpt.forward.plan.walker == "graph" and gpt.forward.plan.checkpointed_segments > 0
+
+
+# --- forward hooks (CORRECTNESS.md item 9) ---------------------------------------------
+
+
+def test_a_forward_hook_added_before_backward_raises_naming_the_module() -> None:
+    ck = autockpt.auto_checkpoint(model(), 3)  # segments 0-2 and 3-5 are recomputed
+    out = ck(torch.randn(4, 8))
+    ck[3].register_forward_hook(lambda module, args, output: output * 2)
+    with pytest.raises(
+        autockpt.MutationError,
+        match=r"forward hooks of module '3' \(Linear\) changed between the forward and the backward of "
+        r"checkpointed segment 1 \(stages 3-5\): 1 forward hook added\. .*after backward\(\)",
+    ):
+        out.sum().backward()
+
+
+def test_a_forward_pre_hook_removed_before_backward_raises_naming_the_module() -> None:
+    ck = autockpt.auto_checkpoint(model(), 3)
+    handle = ck[1].register_forward_pre_hook(lambda module, args: (args[0] * 3,))
+    out = ck(torch.randn(4, 8))
+    handle.remove()
+    with pytest.raises(autockpt.MutationError, match=r"module '1' \(Scaled\) .*1 forward pre-hook removed"):
+        out.sum().backward()
+
+
+def test_a_global_forward_hook_added_before_backward_raises() -> None:
+    ck = autockpt.auto_checkpoint(model(), 3)
+    out = ck(torch.randn(4, 8))
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
+    try:
+        with pytest.raises(autockpt.MutationError, match=r"global forward hooks .*here from module '3'"):
+            out.sum().backward()
+    finally:
+        handle.remove()
+
+
+def test_hooks_present_from_before_the_forward_train_bitwise_exactly() -> None:
+    ref, ck = twin(model().double(), 3)
+    for m in (ref, ck):
+        m[3].register_forward_hook(lambda module, args, output: output * 1.5)
+        m[4].register_forward_pre_hook(lambda module, args: (args[0] + 0.25,))
+    x = torch.randn(6, 8, dtype=torch.float64)
+    for i in range(2):
+        (oa, na), (ob, nb) = seeded_step(ref, x, seed=i), seeded_step(ck, x, seed=i)
+        assert torch.equal(oa, ob) and torch.equal(na, nb)
+    assert_same_state(ref, ck)
+
+
+def test_hooks_changed_after_backward_or_on_a_block_around_its_checkpoint_are_fine() -> None:
+    ck = autockpt.auto_checkpoint(model(), 3)
+    x = torch.randn(4, 8)
+    ck(x).sum().backward()
+    handle = ck[3].register_forward_hook(lambda module, args, output: None)  # between steps
+    ck(x).sum().backward()
+    handle.remove()
+    ck(x).sum().backward()
+    torch.manual_seed(0)
+    gpt = autockpt.auto_checkpoint(BranchyGPT(width=16, layers=2, heads=2), 2)
+    assert gpt.forward.plan.walker == "blocks"
+    idx, mask = torch.randint(0, 50, (2, 16)), torch.ones(2, 16)
+    out = gpt(idx, attention_mask=mask)
+    handle = gpt.blocks[0].register_forward_hook(lambda module, args, output: None)  # runs outside
+    out.sum().backward()
+    handle.remove()
+    out = gpt(idx, attention_mask=mask)
+    gpt.blocks[0].mlp[0].register_forward_hook(lambda module, args, output: None)  # runs inside
+    with pytest.raises(autockpt.MutationError, match=r"module 'blocks\.0\.mlp\.0' \(Linear\)"):
+        out.sum().backward()
+
+
+# --- recompute check, debug=True (CORRECTNESS.md item 30) ------------------------------
+
+
+class Shrinking(nn.Module):
+    """Drops the last row on every other call: its output shape depends on the call count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x[: x.shape[0] - self.calls % 2]
+
+
+def nondeterministic(module: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 8), module, nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+        nn.Linear(8, 8), nn.Tanh(),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_shape_nondeterministic_module_raises_a_checkpoint_error_naming_the_segment(debug: bool) -> None:
+    ck = autockpt.auto_checkpoint(nondeterministic(Shrinking()), 3, debug=debug)
+    out = ck(torch.randn(5, 8))
+    where = r"the recompute of checkpointed segment 0 \(stages 0-2\) differs from its forward at stage '1' "
+    detail = (
+        r"\(Shrinking\), op \d+ aten\.slice\.Tensor: output 0 is \(5, 8\) float32 on cpu .*in the recompute, "
+        r"\(4, 8\)"
+        if debug
+        else r"\(Shrinking\): its output is \(5, 8\) float32 on cpu in the recompute and \(4, 8\)"
+    )
+    with pytest.raises(CheckpointError, match=where + detail) as caught:
+        out.sum().backward()
+    assert isinstance(caught.value, autockpt.AutockptError)
+
+
+def test_debug_names_the_first_op_whose_values_differ() -> None:
+    ck = autockpt.auto_checkpoint(nondeterministic(CallCounter()), 3, debug=True)
+    out = ck(torch.randn(5, 8))
+    with pytest.raises(
+        autockpt.AutockptError,
+        match=r"\(debug=True\): the recompute of checkpointed segment 0 \(stages 0-2\) differs from its "
+        r"forward at stage '1' \(CallCounter\), op \d+ aten\.mul\.Tensor: output 0 \(\(5, 8\) float32 on "
+        r"cpu\) has other values than in the forward\. .*is_recomputing",
+    ):
+        out.sum().backward()
+
+
+def test_without_debug_a_value_difference_is_not_checked() -> None:
+    ck = autockpt.auto_checkpoint(nondeterministic(CallCounter()), 3)
+    ck(torch.randn(5, 8)).sum().backward()  # wrong gradients, caught by verify (test_verify.py)
+    assert not any(rt.debug for rt in ck.forward.runtime)
+
+
+@pytest.mark.parametrize("segments", [3, "sqrt"])
+def test_debug_on_a_normal_model_trains_bitwise_exactly(segments: object) -> None:
+    ref, ck = twin(model().double(), segments, debug=True)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    for i in range(3):
+        (oa, na), (ob, nb) = seeded_step(ref, x, seed=i), seeded_step(ck, x, seed=i)
+        assert torch.equal(oa, ob) and torch.equal(na, nb)
+    assert_same_state(ref, ck)
+
+
+def test_debug_on_a_traced_transformer_trains_exactly() -> None:
+    torch.manual_seed(0)
+    ref, ck = twin(GPT(width=16, layers=3, heads=2).double(), debug=True)
+    assert ck.forward.plan.walker == "graph" and ck.forward.plan.checkpointed_segments > 0
+    idx, mask = torch.randint(0, 50, (2, 16)), torch.ones(2, 16, dtype=torch.float64)
+    for m in (ref, ck):
+        torch.manual_seed(1)
+        m(idx, attention_mask=mask).logsumexp(-1).mean().backward()
+    assert_same_state(ref, ck)
+
+
+@pytest.mark.parametrize("debug", ["yes", 1, None])
+def test_debug_must_be_a_bool(debug: object) -> None:
+    with pytest.raises(TypeError, match="auto_checkpoint: debug must be True or False"):
+        autockpt.auto_checkpoint(model(), debug=debug)  # type: ignore[arg-type]
+
+
+def test_debug_under_autocast_with_weight_casts_cached_from_an_earlier_forward() -> None:
+    ref, ck = twin(model(), 3, debug=True)
+    x = torch.randn(6, 8)
+    for m in (ref, ck):
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the second forward finds the casts cached
+            a, b = m(x), m(x * 2)
+        (a.float().sum() + b.float().square().sum()).backward()
+    assert_same_state(ref, ck)

@@ -62,6 +62,7 @@ class CheckpointedForward:
     """What ``model.forward`` is while a model is checkpointed (picklable, deep-copyable)."""
 
     _autockpt_forward = True
+    debug = False  # check every op of each recompute (also for objects pickled before it existed)
 
     def __init__(
         self,
@@ -72,8 +73,10 @@ class CheckpointedForward:
         spec: SegmentsSpec,
         probe: DryRun | None,
         original_forward: Callable[..., Any] | None,
+        debug: bool = False,
     ) -> None:
         self.model = model
+        self.debug = debug
         self.walked = walked
         self.plan = plan
         self.spec = spec
@@ -93,7 +96,7 @@ class CheckpointedForward:
     def _bind(self, chain: Chain) -> None:
         """Build the runtime for the current plan; for blocks, install their forwards."""
         self.remove_blocks()
-        self.runtime = build_runtime(self.plan.segments, chain.stages)
+        self.runtime = build_runtime(self.plan.segments, chain.stages, debug=self.debug)
         for rt, call in self._block_runtimes():
             call.block.__dict__["forward"] = BlockForward(rt, call)
 
@@ -262,10 +265,15 @@ def install(
     plan: Plan,
     spec: SegmentsSpec,
     probe: DryRun | None,
+    *,
+    debug: bool = False,
 ) -> None:
-    """Install a :class:`CheckpointedForward` for ``plan`` on ``model``, replacing any earlier one."""
+    """Install a :class:`CheckpointedForward` for ``plan`` on ``model``, replacing any earlier one.
+
+    ``debug`` compares every op of each recompute with the forward (``auto_checkpoint(debug=)``).
+    """
     previous = installed(model)
     if previous is not None:
         previous.remove_blocks()
     original = previous.original_forward if previous is not None else model.__dict__.get("forward")
-    model.__dict__["forward"] = CheckpointedForward(model, walked, chain, plan, spec, probe, original)
+    model.__dict__["forward"] = CheckpointedForward(model, walked, chain, plan, spec, probe, original, debug)

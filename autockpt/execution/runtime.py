@@ -1,5 +1,8 @@
 """Running a planned chain: checkpointed segments, exact buffers, the mutation guard.
 
+The recompute check (stage outputs always, every op under ``debug=True``) lives in
+``execution/debug.py`` (NOTE [Recompute check]).
+
 NOTE [Buffers change once per forward]
     ``torch.utils.checkpoint`` replays a segment's forward in backward, so a BatchNorm in
     training mode updates its running statistics twice per step. We keep, for every
@@ -31,6 +34,18 @@ NOTE [Mutation guard]
     broadcasts buffers before forward and FSDP2 preserves version counters when it
     re-gathers parameters, so normal training never trips it.
 
+    Forward hooks and pre-hooks run again in the recompute too, so one added or removed in
+    between changes it just as silently. Each call also keeps the keys (handle ids) of the
+    forward hook and pre-hook dicts, global and per module, of the modules whose hooks run
+    inside the segment, as they are after the forward (a hook that removes itself while
+    the forward runs, as lazy modules' does, is not a change), and compares them: no
+    tensor work, one truthiness test per module without hooks. Modules the segment
+    reaches without ``__call__`` are left out: a block walker's block (its hooks run
+    around the checkpoint, once) and modules a graph trace went through. Hooks installed
+    once (FSDP2's, ``torch.distributed``'s composable ``checkpoint``, pruning, weight norm)
+    stay the same between forward and backward; autockpt installs none. The hook state and
+    its error live in ``execution/hooks.py``.
+
 NOTE [Under torch.compile]
     Dynamo turns ``checkpoint`` into a higher-order op whose body must not mutate Python
     state, and AOTAutograd then recomputes the body's nodes in the compiled backward. So
@@ -56,10 +71,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autockpt.chain import Stage
+from autockpt.chain import Stage, Unit
 from autockpt.errors import MutationError
+from autockpt.execution.debug import OpRecorder, output_metadata, run_stage, stage_mismatch
+from autockpt.execution.hooks import HookState, hook_error, hook_state, hooked_modules
 from autockpt.plan import Segment
 from autockpt.sandbox import recomputing
+from autockpt.walkers.graph import GraphPiece
 
 __all__ = ["SegmentRuntime", "build_runtime", "compiled_body", "run_body", "run_segments"]
 
@@ -128,21 +146,37 @@ class SegmentRuntime:
     children: tuple[SegmentRuntime, ...] = ()
     rng_free: tuple[nn.Module, ...] | None = None  # see _RNG_FREE
     named_modules: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; the mutation guard's
+    hooked: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; whose forward hooks run inside
+    label: str = ""  # "2", or "2.1" for a nested segment
+    debug: bool = False  # check every op of a recompute (NOTE [Recompute check] in debug.py)
+
+    @property
+    def description(self) -> str:
+        """The segment, as error messages name it."""
+        seg = self.segment
+        stages = f"stage {seg.start}" if len(seg) == 1 else f"stages {seg.start}-{seg.stop - 1}"
+        return f"checkpointed segment {self.label} ({stages})"
 
 
-def build_runtime(segments: Sequence[Segment], stages: Sequence[Stage]) -> tuple[SegmentRuntime, ...]:
-    """Bind plan segments to the chain's stages."""
+def build_runtime(
+    segments: Sequence[Segment], stages: Sequence[Stage], *, debug: bool = False, prefix: str = ""
+) -> tuple[SegmentRuntime, ...]:
+    """Bind plan segments to the chain's stages; ``debug`` checks every op of each recompute."""
     out = []
-    for seg in segments:
+    for i, seg in enumerate(segments):
         own = tuple(stages[seg.start : seg.stop])
+        named = _named_modules(own) if seg.checkpoint else ()
         out.append(
             SegmentRuntime(
                 segment=seg,
                 stages=own,
                 buffers=segment_buffers(own) if seg.checkpoint else (),
-                children=build_runtime(seg.children, stages),
+                children=build_runtime(seg.children, stages, debug=debug, prefix=f"{prefix}{i}."),
                 rng_free=rng_free_modules(own),
-                named_modules=_named_modules(own) if seg.checkpoint else (),
+                named_modules=named,
+                hooked=hooked_modules(own, named) if seg.checkpoint else (),
+                label=f"{prefix}{i}",
+                debug=debug,
             )
         )
     return tuple(out)
@@ -175,8 +209,9 @@ def compiled_body(rt: SegmentRuntime, spec: Any, *leaves: Any) -> Any:
 def run_body(rt: SegmentRuntime, x: Any) -> Any:
     if rt.children:
         return run_segments(rt.children, x)
+    debug = rt.debug and not torch.compiler.is_compiling()  # debug=True is for eager runs
     for stage in rt.stages:
-        x = stage(x)
+        x = run_stage(stage, x) if debug else stage(x)
     return x
 
 
@@ -205,6 +240,9 @@ class _SegmentCall:
         self.old: dict[int, torch.Tensor | None] | None = None
         self.versions: list[tuple[str, str, torch.Tensor, int]] = []  # module, name, tensor, version
         self.modes: list[bool] = []  # per rt.named_modules
+        self.hooks: HookState = ((), (), ())
+        self.outputs: list[Any] = []  # per stage: shapes, dtypes and devices of its output
+        self.recorder: OpRecorder | None = None  # debug=True: every op of the forward
 
     def __call__(self, *leaves: Any) -> Any:
         x = tree_unflatten(list(leaves), self.spec)
@@ -217,7 +255,12 @@ class _SegmentCall:
         before = [module._buffers.get(name) for module, name in rt.buffers]
         versions = [t._version if t is not None else 0 for t in before]
         clones = [t.clone() if t is not None else None for t in before]
-        out = run_body(rt, x)
+        if rt.debug:
+            self.recorder = OpRecorder(rt.description)
+            with self.recorder:
+                out = self._body(x)
+        else:
+            out = self._body(x)
         old: dict[int, torch.Tensor | None] = {}
         for i, ((module, name), t) in enumerate(zip(rt.buffers, before)):
             now = module._buffers.get(name)
@@ -229,6 +272,22 @@ class _SegmentCall:
         self._remember_state(old)
         return out
 
+    def _body(self, x: Any) -> Any:
+        """The segment's stages; the forward notes each stage's output metadata, a
+        recompute compares with it (NOTE [Recompute check] in debug.py)."""
+        rt = self.rt
+        if rt.children:
+            return run_segments(rt.children, x)  # each nested checkpointed segment checks itself
+        recompute = self.old is not None
+        for k, stage in enumerate(rt.stages):
+            x = run_stage(stage, x) if rt.debug else stage(x)
+            meta = output_metadata(x)
+            if not recompute:
+                self.outputs.append(meta)
+            elif meta != self.outputs[k]:
+                raise stage_mismatch(rt.description, stage, self.outputs[k], meta)
+        return x
+
     def _remember_state(self, replayed: dict[int, torch.Tensor | None]) -> None:
         """What the recompute must find unchanged: parameter and buffer versions (buffers
         this forward changed are replayed from the copies above, so they are exempt) and
@@ -239,6 +298,7 @@ class _SegmentCall:
             for pname, t in [*module._parameters.items(), *module._buffers.items()]:
                 if t is not None and id(t) not in skip:
                     self.versions.append((name, pname, t, t._version))
+        self.hooks = hook_state(self.rt.hooked)
 
     def _check_state(self) -> None:
         for module_name, pname, t, version in self.versions:
@@ -260,6 +320,9 @@ class _SegmentCall:
                     f"its recompute would take the other path (dropout, batch statistics) and give wrong "
                     f"gradients. Switch modes after backward(), or call model.train()/eval() before forward."
                 )
+        hooks = hook_state(self.rt.hooked)
+        if hooks != self.hooks:
+            raise hook_error(self.rt.description, self.rt.hooked, self.hooks, hooks)
 
     def _recompute(self, x: Any) -> Any:
         rt, old = self.rt, self.old
@@ -271,7 +334,10 @@ class _SegmentCall:
             module._buffers[name] = t.clone() if t is not None else None
         try:
             with recomputing():
-                return run_body(rt, x)
+                if self.recorder is None:
+                    return self._body(x)
+                with OpRecorder(rt.description, self.recorder.ops):
+                    return self._body(x)
         finally:
             for i, t in live.items():
                 module, name = rt.buffers[i]
@@ -279,15 +345,26 @@ class _SegmentCall:
 
 
 def _named_modules(stages: Sequence[Stage]) -> tuple[tuple[str, nn.Module], ...]:
-    """Every module of the stages once, named from its unit (``"3"``, ``"3.conv"``)."""
+    """Every module of the stages once, by its qualified name (``"3"``, ``"layer1.0.conv1"``)."""
     seen: set[int] = set()
     out: list[tuple[str, nn.Module]] = []
+    roots: dict[int, dict[int, str]] = {}  # per traced model: module id -> qualified name
     for stage in stages:
         for unit in stage.units:
             for top in unit.modules:
-                prefix = unit.name if len(unit.modules) == 1 else f"{unit.name}:{type(top).__name__}"
-                for sub, module in top.named_modules(prefix=prefix):
+                for sub, module in top.named_modules(prefix=_top_name(unit, top, roots)):
                     if id(module) not in seen:
                         seen.add(id(module))
                         out.append((sub, module))
     return tuple(out)
+
+
+def _top_name(unit: Unit, top: nn.Module, roots: dict[int, dict[int, str]]) -> str:
+    """The qualified name of one of ``unit``'s modules."""
+    if isinstance(unit.fn, GraphPiece):
+        model = unit.fn.program.model
+        names = roots.setdefault(id(model), {})
+        if not names:
+            names.update((id(m), n) for n, m in reversed(list(model.named_modules())))
+        return names.get(id(top), f"{unit.name}:{type(top).__name__}")
+    return unit.name if len(unit.modules) == 1 else f"{unit.name}:{type(top).__name__}"

@@ -83,10 +83,25 @@ class GradModeTracer(fx.Tracer):
     """``fx.Tracer`` that also records grad-mode switches (``with torch.no_grad():``).
 
     Plain symbolic tracing drops them, which would make a no-grad region record gradients.
-    Buffers are traced as graph values, so code may slice them with traced sizes.
+    Buffers are traced as graph values, so code may slice them with traced sizes. A
+    parameter or buffer read is found by identity in a table made once per trace: fx
+    searches all of the model's parameters at every read, which took seconds on models
+    with a thousand parameters (timm's mobileone).
     """
 
     proxy_buffer_attributes = True
+    _tensor_names: dict[int, str]
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        """The ``get_attr`` proxy of a parameter or buffer of the root, else ``attr_val``."""
+        if not isinstance(attr_val, torch.Tensor):
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        name = self._tensor_names.get(id(attr_val))
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         """Modules with hooks stay whole, so their hooks fire as in eager mode."""
@@ -99,6 +114,10 @@ class GradModeTracer(fx.Tracer):
             self.create_proxy("call_function", real, (bool(mode),), {})
             real(mode)
 
+        self._tensor_names = {}
+        if isinstance(root, nn.Module):  # the first name wins, as in fx's own search
+            for n, t in [*root.named_parameters(), *root.named_buffers()]:
+                self._tensor_names.setdefault(id(t), n)
         torch._C._set_grad_enabled = record  # type: ignore[assignment]
         try:
             return super().trace(root, concrete_args)
