@@ -40,6 +40,10 @@ class Unit:
         kind: a short description (module class names).
         mutates_input: known to modify its input in place (no boundary in front).
         pure: all work outside ``modules`` is known to draw no random numbers.
+        reads: modules whose own parameters and buffers the unit reads without calling
+            them (``self.alpha`` in a block's code, fx ``get_attr``). Only their own tensors
+            belong to the unit, not their submodules': those may run in another segment,
+            which changes their buffers after this one's forward.
     """
 
     name: str
@@ -48,6 +52,7 @@ class Unit:
     kind: str
     mutates_input: bool = False
     pure: bool = True
+    reads: tuple[nn.Module, ...] = ()
 
     @classmethod
     def of_module(cls, name: str, module: nn.Module) -> Unit:

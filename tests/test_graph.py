@@ -251,7 +251,6 @@ def test_hooks_guarded_by_is_recomputing_fire_once_per_position() -> None:  # it
     assert backward == ["b0"]
 
 
-@pytest.mark.filterwarnings("ignore:.*save little memory")
 def test_an_argument_the_model_cannot_do_without_fails_as_it_would_unwrapped() -> None:
     class Required(nn.Module):
         def __init__(self) -> None:

@@ -276,3 +276,32 @@ def test_debug_under_autocast_with_weight_casts_cached_from_an_earlier_forward()
             a, b = m(x), m(x * 2)
         (a.float().sum() + b.float().square().sum()).backward()
     assert_same_state(ref, ck)
+
+
+class ScaledBlock(nn.Module):
+    """Reads its own parameter in its code (fx get_attr) and runs a BatchNorm later on, as
+    timm's efficientvim blocks do: the read and the norm can land in different segments."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(width))
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)) * torch.sigmoid(self.alpha)
+        h = torch.tanh(self.b(h))
+        return x + self.norm(h)
+
+
+def test_a_block_reading_its_own_parameter_does_not_guard_its_submodules_buffers() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(ScaledBlock() for _ in range(3)))
+    x = torch.randn(32, 16)
+    n = len(autockpt.make_plan(copy.deepcopy(model), example_inputs=(x,), mode="graph").stage_names)
+    ref = copy.deepcopy(model)
+    ck = autockpt.auto_checkpoint(model, n, example_inputs=(x,), mode="graph")
+    for m in (ref, ck):
+        for _ in range(2):
+            m(x).sum().backward()
+    assert_same_state(ref, ck)

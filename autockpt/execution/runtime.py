@@ -127,7 +127,7 @@ def segment_buffers(stages: Sequence[Stage]) -> tuple[BufferSlot, ...]:
     out: list[BufferSlot] = []
     for stage in stages:
         for unit in stage.units:
-            for module in (m for top in unit.modules for m in top.modules()):
+            for module in (*(m for top in unit.modules for m in top.modules()), *unit.reads):
                 for name in module._buffers:
                     key = (id(module), name)
                     if key not in seen:
@@ -351,11 +351,12 @@ def _named_modules(stages: Sequence[Stage]) -> tuple[tuple[str, nn.Module], ...]
     roots: dict[int, dict[int, str]] = {}  # per traced model: module id -> qualified name
     for stage in stages:
         for unit in stage.units:
-            for top in unit.modules:
-                for sub, module in top.named_modules(prefix=_top_name(unit, top, roots)):
-                    if id(module) not in seen:
-                        seen.add(id(module))
-                        out.append((sub, module))
+            named = [n for top in unit.modules for n in top.named_modules(prefix=_top_name(unit, top, roots))]
+            named += [(_top_name(unit, owner, roots), owner) for owner in unit.reads]  # not its children
+            for sub, module in named:
+                if id(module) not in seen:
+                    seen.add(id(module))
+                    out.append((sub, module))
     return tuple(out)
 
 

@@ -19,6 +19,7 @@ Complexity: O(nodes) to find the cuts.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 from dataclasses import dataclass
@@ -256,15 +257,22 @@ class GraphProgram:
         return False
 
     def piece_modules(self, start: int, stop: int) -> tuple[nn.Module, ...]:
+        """The modules nodes ``[start, stop)`` call."""
         seen: dict[int, nn.Module] = {}
         for node in self.nodes[start:stop]:
             if node.op == "call_module":
                 mod = self.model.get_submodule(str(node.target))
                 seen.setdefault(id(mod), mod)
-            elif node.op == "get_attr":
+        return tuple(seen.values())
+
+    def piece_reads(self, start: int, stop: int) -> tuple[nn.Module, ...]:
+        """The modules whose own parameters or buffers nodes ``[start, stop)`` read
+        (``Unit.reads``); the root too."""
+        seen: dict[int, nn.Module] = {}
+        for node in self.nodes[start:stop]:
+            if node.op == "get_attr":
                 owner = self.model.get_submodule(str(node.target).rpartition(".")[0])
-                if owner is not self.model:
-                    seen.setdefault(id(owner), owner)
+                seen.setdefault(id(owner), owner)
         return tuple(seen.values())
 
     def calls_module(self, start: int, stop: int) -> bool:
@@ -382,6 +390,7 @@ def units_of(program: GraphProgram) -> tuple[Unit, ...]:
                 kind=program.piece_kind(start, stop),
                 mutates_input=program.mutates_before(start, stop),
                 pure=program.piece_pure(start, stop),
+                reads=program.piece_reads(start, stop),
             )
         )
     return tuple(_unique_names(units))
@@ -397,5 +406,5 @@ def _unique_names(units: list[Unit]) -> list[Unit]:
         seen[name] = count + 1
         if count:
             name = f"{name}#{count}"
-        out.append(Unit(name, u.fn, u.modules, u.kind, u.mutates_input, u.pure))
+        out.append(dataclasses.replace(u, name=name))
     return out
