@@ -93,4 +93,5 @@ def _saved_bytes(units: Sequence[Unit], x: Any) -> tuple[int, ...]:
         params |= {storage_key(p) for m in unit.reads for p in m.parameters(recurse=False)}
         out.append(sum(n for k, n in saved.items() if k not in params))
         value = detached(result)
+        del result  # its graph holds what the unit saved: free it before the next unit runs
     return tuple(out)
