@@ -341,3 +341,21 @@ def test_blocks_that_start_by_writing_into_their_input_stay_separate_stages(how:
     plain = peak(copy.deepcopy(model), (x,))
     same_training(model, (x,), example_inputs=(x,))
     assert peak(model, (x,)) < plain
+
+
+def test_a_module_list_of_layers_of_different_classes_is_one_group_of_blocks() -> None:
+    from autockpt.walkers.blocks import find_blocks
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # a first layer unlike the rest, as in wav2vec2's feature encoder
+            self.convs = nn.ModuleList([nn.Sequential(nn.Conv1d(1, 4, 3), nn.GroupNorm(2, 4)), Pair2()])
+            self.heads = nn.ModuleList([nn.Linear(4, 2), nn.Linear(4, 2)])  # leaves: never blocks
+
+    class Pair2(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(4, 4, 3)
+
+    assert [name for name, _ in find_blocks(Net())] == ["convs.0", "convs.1"]

@@ -8,7 +8,9 @@ the root; ``autockpt.execution.forward.BlockForward``), so no module is wrapped 
 renamed. The rest of the model runs as written.
 
 Which blocks: among all groups of two or more same-class children of one ``ModuleList`` or
-``Sequential``, the groups holding the most parameters are taken first, skipping groups
+``Sequential`` (all children of a ``ModuleList`` whose children all have submodules, whatever
+their classes: a list of layers run in a loop, such as wav2vec2's feature convolutions whose
+first layer differs), the groups holding the most parameters are taken first, skipping groups
 inside or around a block already taken. A module with no submodules (a ``Linear``, a
 ``LayerNorm``: two heads or two norms side by side) is never a block: it keeps its input
 for backward anyway, so a checkpoint around it alone saves nothing and costs a recompute.
@@ -33,10 +35,13 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for path, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
+        children = [(f"{path}.{name}" if path else name, child) for name, child in container.named_children()]
         by_class: dict[type, list[tuple[str, nn.Module]]] = {}
-        for name, child in container.named_children():
-            by_class.setdefault(type(child), []).append((f"{path}.{name}" if path else name, child))
-        groups.extend(g for g in by_class.values() if len(g) >= 2 and _weight(g) > 0 and _composite(g))
+        for item in children:
+            by_class.setdefault(type(item[1]), []).append(item)
+        layers = isinstance(container, nn.ModuleList) and all(_composite([c]) for c in children)
+        candidates = [children] if layers else list(by_class.values())
+        groups.extend(g for g in candidates if len(g) >= 2 and _weight(g) > 0 and _composite(g))
     groups.sort(key=lambda g: (-_weight(g), -len(g)))
     taken: list[tuple[str, nn.Module]] = []
     for group in groups:
