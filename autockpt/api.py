@@ -135,6 +135,8 @@ def _keep_the_promise(
         if measured <= target:
             break
         limit -= measured - target
+        if limit <= 0:  # the excess is more than the whole budget: no lower plan can help
+            break
         try:
             _, probe, chain, plan = prepare(
                 model, "sqrt", limit, args, kwargs, mode, where="auto_checkpoint", loss_fn=loss_fn

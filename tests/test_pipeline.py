@@ -231,3 +231,51 @@ def test_profiling_a_block_walked_model_gives_the_callers_inputs_no_grad() -> No
     x = torch.randn(8, 16, requires_grad=True)
     prof = autockpt.profile(Stack(), (x,), mode="blocks")
     assert prof.walker == "blocks" and x.grad is None
+
+
+class Scaled(nn.Module):
+    """Traced through by fx (not a leaf), so a hook added to it later makes the model trace again."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.a(x)) * 0.5
+
+
+class ScaledNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Scaled() for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_budget_plan_traced_again_after_a_hook_falls_back_to_sqrt_with_a_warning() -> None:
+    torch.manual_seed(0)
+    model, x = ScaledNet(), torch.randn(64, 32)
+    ref = copy.deepcopy(model)
+    autockpt.auto_checkpoint(model, budget=0.7, example_inputs=(x,))
+    for m in (ref, model):
+        m.layers[3].register_forward_hook(lambda mod, args, out: out * 2)
+    with pytest.warns(UserWarning, match="no longer matches its stages.*segments='sqrt'"):
+        model(x).sum().backward()
+    ref(x).sum().backward()
+    assert_same_state(ref, model)
+    assert model.forward.plan.strategy == "sqrt" and model.forward.plan.checkpointed_segments > 0
+
+
+def test_check_true_measures_steps_that_hooks_guarded_by_is_recomputing_skip() -> None:
+    calls: list[int] = []
+    model, x = ScaledNet(), torch.randn(64, 32)
+    model.layers[5].register_forward_hook(
+        lambda mod, args, out: None if autockpt.is_recomputing() else calls.append(1)
+    )
+    autockpt.auto_checkpoint(model, budget=0.7, example_inputs=(x,), check=True)
+    assert calls == []
+    model(x).sum().backward()
+    assert calls == [1]

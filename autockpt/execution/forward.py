@@ -27,6 +27,7 @@ from autockpt.execution.caches import without_caches
 from autockpt.execution.runtime import SegmentRuntime, build_runtime, run_segments
 from autockpt.measure.dry_run import probe_units
 from autockpt.plan import Plan
+from autockpt.planners import available_planners
 from autockpt.planning import SegmentsSpec, build_plan
 from autockpt.sandbox import dry_run_state
 from autockpt.walkers import Walked, walk
@@ -186,6 +187,18 @@ class CheckpointedForward:
         self.walked, self.probe = walked, None
         chain = build_chain("graph", walked.units)
         spec = self.spec if self.spec is not None and not isinstance(self.spec, Plan) else self.plan.strategy
+        name = spec.strip().lower() if isinstance(spec, str) else None
+        if name is not None and not name.isdigit() and (name == "budget" or name not in available_planners()):
+            # a given Plan or a budget plan's stages are gone, and a budget needs inputs to profile
+            warnings.warn(
+                f"auto_checkpoint: {type(self.model).__name__} was traced again ({why}), so its "
+                f"plan ({spec}) no longer matches its stages; it is checkpointed with "
+                f"segments='sqrt' from now on. For a budget, call auto_checkpoint(model, budget=..., "
+                f"example_inputs=...) again with inputs like this call's, after adding hooks.",
+                UserWarning,
+                stacklevel=4,
+            )
+            spec = self.spec = "sqrt"
         self.plan = build_plan(chain, _respec(spec, len(chain.stages)), where="auto_checkpoint")
         self._bind(chain)
 

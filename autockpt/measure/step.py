@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from autockpt.measure.losses import LossFn, step_loss
 from autockpt.measure.memory import MemoryStats, track_memory
-from autockpt.sandbox import preserved
+from autockpt.sandbox import preserved, recomputing
 from autockpt.tensors import device_of, requiring_grad, static_bytes
 
 __all__ = ["StepResult", "measure_step", "run_step"]
@@ -77,8 +77,10 @@ def measure_step(
 ) -> int:
     """Allocator-level peak of one training step of ``model`` as it is now, parameters,
     buffers and inputs included; the model is left exactly as it was. The inputs are used as
-    they are: unlike :func:`verify`, no input gradient is computed unless one is asked for."""
-    with preserved(model, [list(args), kwargs]) as fresh:
+    they are: unlike :func:`verify`, no input gradient is computed unless one is asked for.
+    The steps are not training steps: :func:`autockpt.is_recomputing` is true in them, so
+    hooks that count positions skip them as they skip a dry run."""
+    with preserved(model, [list(args), kwargs]) as fresh, recomputing():
         fresh()
         run_step(model, args, kwargs, loss_fn, input_grads=False)  # warm-up
         fresh()
