@@ -17,7 +17,7 @@ import autockpt
 
 def resnet() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     torch.manual_seed(0)
-    model, x = torchvision.models.resnet18(num_classes=10), torch.randn(8, 3, 64, 64)
+    model, x = torchvision.models.resnet18(num_classes=10), torch.randn(8, 3, 48, 48)
     return model, lambda m: m(x).sum()
 
 

@@ -342,10 +342,13 @@ def expected_warnings() -> Iterator[None]:
         yield
 
 
-# a budget profiles every stage (a few garbage collections each): an eighth of the examples
-BUDGET_EXAMPLES = settings(max_examples=max(10, settings.default.max_examples // 8))
+# each example trains two models twice: a third of the profile's examples (a third of 300
+# under AUTOCKPT_HYPOTHESIS_PROFILE=thorough); a budget also profiles every stage: a twelfth
+GRAPH_EXAMPLES = settings(max_examples=max(10, settings.default.max_examples // 3))
+BUDGET_EXAMPLES = settings(max_examples=max(8, settings.default.max_examples // 12))
 
 
+@GRAPH_EXAMPLES
 @given(random_graphs(), st.data())
 def test_random_graph_models_train_exactly(arch: tuple[RandomGraph, list[Hook]], data: st.DataObject) -> None:
     """Any segment count, with or without example inputs, hooks added before or after wrapping."""
