@@ -54,6 +54,15 @@ NOTE [Under torch.compile]
     buffer mutations once (functionalized), and its random ops replay from saved seeds.
     ``is_recomputing()`` cannot be seen from compiled code.
 
+NOTE [Segment inputs]
+    Non-reentrant ``checkpoint`` keeps its arguments for the recompute and walks them once
+    per call to find the device whose RNG state it stashes. A block's input is ``(args,
+    kwargs)``, often a dozen entries deep, and that walk cost as much as the rest of our
+    wrapper (3% of a tiny GPT-2's step against HF's own checkpointing, which passes only
+    the hidden states). So the segment's input rides in the ``_SegmentCall`` object, which
+    the checkpoint keeps exactly as long as it would keep its arguments, and only its
+    top-level tensors are passed, for the device.
+
 NOTE [Recompute detection]
     A checkpointed function is called once in the forward pass and again for every
     recompute. ``_SegmentCall`` counts its calls instead of using ``context_fn``, which
@@ -187,19 +196,39 @@ def run_segments(runtimes: Sequence[SegmentRuntime], x: Any) -> Any:
     compiling = torch.compiler.is_compiling()
     for rt in runtimes:
         if rt.segment.checkpoint:
-            leaves, spec = tree_flatten(x)
             if compiling:  # see NOTE [Under torch.compile]
+                leaves, spec = tree_flatten(x)
                 x = torch.utils.checkpoint.checkpoint(
                     functools.partial(compiled_body, rt, spec), *leaves, use_reentrant=False
                 )
                 continue
-            call = _SegmentCall(rt, spec)
             x = torch.utils.checkpoint.checkpoint(
-                call, *leaves, use_reentrant=False, preserve_rng_state=_may_use_rng(rt)
+                _SegmentCall(rt, x),
+                *_device_hints(x),
+                use_reentrant=False,
+                preserve_rng_state=_may_use_rng(rt),
             )
         else:
             x = run_body(rt, x)
     return x
+
+
+def _device_hints(x: Any) -> tuple[torch.Tensor, ...]:
+    """Tensors of ``x`` from which ``checkpoint`` learns the device whose RNG state and
+    autocast settings it keeps: the top-level ones, or every one when none is at the top.
+
+    The segment's input itself travels inside the ``_SegmentCall``; handing ``checkpoint``
+    the whole structure would make it walk it on every call (NOTE [Segment inputs])."""
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    top = x
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple) and isinstance(x[1], dict):
+        top = (*x[0], *x[1].values())  # a block's (args, kwargs)
+    if isinstance(top, (tuple, list)):
+        hints = tuple(t for t in top if isinstance(t, torch.Tensor))
+        if hints:
+            return hints
+    return tuple(t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor))
 
 
 def compiled_body(rt: SegmentRuntime, spec: Any, *leaves: Any) -> Any:
@@ -234,18 +263,19 @@ def _changed(t: torch.Tensor, before: torch.Tensor, version: int) -> bool:
 class _SegmentCall:
     """The function one checkpoint call runs: forward first, recomputes after."""
 
-    def __init__(self, rt: SegmentRuntime, spec: Any) -> None:
+    def __init__(self, rt: SegmentRuntime, x: Any) -> None:
         self.rt = rt
-        self.spec = spec
+        self.x = x  # the segment's input (NOTE [Segment inputs])
         self.old: dict[int, torch.Tensor | None] | None = None
-        self.versions: list[tuple[str, str, torch.Tensor, int]] = []  # module, name, tensor, version
+        self.guarded: list[tuple[str, str, torch.Tensor]] = []  # module name, tensor name, tensor
+        self.versions: list[int] = []  # per self.guarded
         self.modes: list[bool] = []  # per rt.named_modules
         self.hooks: HookState = ((), (), ())
         self.outputs: list[Any] = []  # per stage: shapes, dtypes and devices of its output
         self.recorder: OpRecorder | None = None  # debug=True: every op of the forward
 
-    def __call__(self, *leaves: Any) -> Any:
-        x = tree_unflatten(list(leaves), self.spec)
+    def __call__(self, *hints: torch.Tensor) -> Any:
+        x = self.x
         if self.old is None:
             return self._forward(x)
         return self._recompute(x)
@@ -293,15 +323,24 @@ class _SegmentCall:
         this forward changed are replayed from the copies above, so they are exempt) and
         every module's train/eval mode. See NOTE [Mutation guard]."""
         skip = {id(self.rt.buffers[i][0]._buffers.get(self.rt.buffers[i][1])) for i in replayed}
+        guarded = self.guarded
         for name, module in self.rt.named_modules:
-            self.modes.append(module.training)
-            for pname, t in [*module._parameters.items(), *module._buffers.items()]:
-                if t is not None and id(t) not in skip:
-                    self.versions.append((name, pname, t, t._version))
+            for tensors in (module._parameters, module._buffers):
+                for pname, t in tensors.items():
+                    if t is not None and id(t) not in skip:
+                        guarded.append((name, pname, t))
+        self.versions = [t._version for _, _, t in guarded]
+        self.modes = [module.training for _, module in self.rt.named_modules]
         self.hooks = hook_state(self.rt.hooked)
 
     def _check_state(self) -> None:
-        for module_name, pname, t, version in self.versions:
+        if (
+            [t._version for _, _, t in self.guarded] == self.versions
+            and [module.training for _, module in self.rt.named_modules] == self.modes
+            and hook_state(self.rt.hooked) == self.hooks
+        ):
+            return
+        for (module_name, pname, t), version in zip(self.guarded, self.versions):
             if t._version != version:
                 name = f"{module_name}.{pname}" if module_name else pname
                 kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
