@@ -56,6 +56,15 @@ __all__ = [
 SegmentsSpec = int | str | Planner | Plan
 
 
+# NOTE [Planning repeats]
+#     A budget plan needs each stage's bytes (exact from one run) and its time relative to
+#     the others. Timing each stage once after a warm-up, instead of the median of three
+#     that ``autockpt.profile`` reports, takes the profile from five runs of every stage to
+#     three: the measuring part of ``auto_checkpoint(..., budget=...)`` then costs about
+#     three training steps plus fixed overheads (goal: at most 10x one step).
+PLANNING_REPEATS = 1
+
+
 @dataclass(frozen=True)
 class BudgetCosts:
     """What a budget plan is made from: the measured profile and the budget in bytes."""
@@ -96,7 +105,9 @@ def prepare(
     chain = build_chain(walked.walker, walked.units, dry)
     costs = None
     if budget is not None:
-        prof = model_profile(model, walked, chain, args, kwargs, loss_fn=loss_fn, where=where)
+        prof = model_profile(
+            model, walked, chain, args, kwargs, loss_fn=loss_fn, where=where, repeats=PLANNING_REPEATS
+        )
         assert prof.loss_bytes is not None
         unwrapped = (
             prof.static_bytes

@@ -359,3 +359,22 @@ def test_a_module_list_of_layers_of_different_classes_is_one_group_of_blocks() -
             self.conv = nn.Conv1d(4, 4, 3)
 
     assert [name for name, _ in find_blocks(Net())] == ["convs.0", "convs.1"]
+
+
+def test_a_layer_replaced_after_planning_is_the_one_that_runs() -> None:
+    """Fine-tuning swaps the classifier head after wrapping (timm's ``reset_classifier``):
+    the traced program must call the new head, not the one it saw when tracing."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).to(D)
+    x = torch.randn(2, 3, 32, 32, dtype=D)
+    ref = copy.deepcopy(model)
+    autockpt.auto_checkpoint(model, segments=3, mode="graph")
+    model(x).sum().backward()  # trained a while before the head is swapped
+    head = nn.Linear(512, 4).to(D)
+    model.fc, ref.fc = head, copy.deepcopy(head)
+    out, expected = model(x), ref(x)
+    assert out.shape == (2, 4)
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    assert head.weight.grad is not None and torch.equal(head.weight.grad, ref.fc.weight.grad)

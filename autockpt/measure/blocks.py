@@ -86,7 +86,8 @@ def profile_blocks(
     *,
     repeats: int = 3,
 ) -> Profile:
-    """Profile a block-walked model: each block alone, and the gaps in one real step."""
+    """Profile a block-walked model: each block alone, and the gaps in one real step (the
+    caller keeps old garbage alive: its windows collect the young generations only)."""
     device = device_of(model, [list(args), kwargs])
     blocks = [stage.units[0].modules[0] for stage in chain.stages]
     calls = [stage.units[0].fn for stage in chain.stages]
@@ -97,7 +98,11 @@ def profile_blocks(
     # the caller's inputs get no .grad: the step runs on copies, requiring grad where they do
     (call_args, call_kwargs), _ = requiring_grad((list(args), kwargs), as_given=True)
     # preserved puts back the blocks' forwards, buffers, .grad and the RNG afterwards
-    with preserved(model, [list(args), kwargs]) as fresh, recomputing(), Windows(device) as windows:
+    with (
+        preserved(model, [list(args), kwargs]) as fresh,
+        recomputing(),
+        Windows(device, collect=False) as windows,
+    ):
         fresh()
         step = _Step(windows, outside)
         for i, (block, call) in enumerate(zip(blocks, calls)):

@@ -15,9 +15,11 @@ object.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -54,10 +56,30 @@ def model_profile(
     key = _key(model, chain, [list(args), kwargs])
     per_model = _PROFILES.setdefault(model, {})
     prof = per_model.get(key) if cached else None
-    if prof is None:
-        prof = _measure(model, walked, chain, args, kwargs, repeats, where)
-        per_model[key] = prof
-    return dataclasses.replace(prof, loss_bytes=_loss_bytes(model, key, args, kwargs, loss_fn, where))
+    with old_garbage_kept():
+        if prof is None:
+            prof = _measure(model, walked, chain, args, kwargs, repeats, where)
+            per_model[key] = prof
+        return dataclasses.replace(prof, loss_bytes=_loss_bytes(model, key, args, kwargs, loss_fn, where))
+
+
+@contextlib.contextmanager
+def old_garbage_kept() -> Iterator[None]:
+    """Measure with the collector's automatic runs paused, the young generations collected.
+
+    Garbage from before a measurement must not be freed inside it (its size may be unknown
+    to the allocator session). A full ``gc.collect()`` guarantees that but walks every
+    Python object, about 0.2 s once transformers is imported, more than ten steps of a small
+    model; pausing the automatic runs keeps old garbage alive just as surely, and each
+    session still collects the young generations when it opens.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _measure(

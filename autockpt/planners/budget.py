@@ -266,15 +266,18 @@ def _solve_dense(model: _Model, budget: int) -> tuple[Segment, ...] | None:
 
 
 def _solve_exact(model: _Model, budget: int) -> tuple[Segment, ...] | None:
-    """Pareto fronts of exact held bytes (small chains)."""
+    """Pareto fronts of exact held bytes (small chains).
+
+    The inner loops run ``len(costs)`` squared times the front sizes, so they are written for
+    speed: plain tuples, ``(start, stop, checkpointed)``, become segments only on the way back.
+    """
     costs = model.c
     n = len(costs)
-    quantum = 1
     # front[(i, kept)]: {held: (recompute, previous position, previous flag, previous held, segment)}
-    front: dict[tuple[int, bool], dict[int, tuple[float, int, bool, int, Segment | None]]] = {
+    front: dict[tuple[int, bool], dict[int, tuple[float, int, bool, int, tuple[int, int, bool]]]] = {
         (i, k): {} for i in range(n + 1) for k in (False, True)
     }
-    front[(0, True)][0] = (0.0, -1, True, 0, None)  # the chain's input is a static byte
+    front[(0, True)][0] = (0.0, -1, True, 0, (0, 0, False))  # the chain's input is a static byte
     for s in range(n):
         for kept in (False, True):
             points = sorted(front[(s, kept)].items())
@@ -283,22 +286,23 @@ def _solve_exact(model: _Model, budget: int) -> tuple[Segment, ...] | None:
             lowest = points[0][0]
             plain = model.plain_local(s, kept)
             held_plain = model.held(s, kept)
-            after = costs[s].keeps_output
+            target = front[(s + 1, costs[s].keeps_output)]
             for held, (cost, *_rest) in points:
                 if held + plain > budget:
                     break
-                _offer(front[(s + 1, after)], _round(held + held_plain, quantum), cost, s, kept, held,
-                       Segment(s, s + 1, False))  # fmt: skip
+                _offer(target, held + held_plain, cost, s, kept, held, (s, s + 1, False))
             new_held = model.checkpoint_held(s, kept)
             longest = model.longest(s)
             for t, (local, ms) in enumerate(model.checkpoint_locals(s, kept), start=s + 1):
                 if lowest + local > budget or t > longest:
                     break
+                target = front[(t, False)]
+                seg = (s, t, True)
+                room = budget - local
                 for held, (cost, *_rest) in points:
-                    if held + local > budget:
+                    if held > room:
                         break
-                    _offer(front[(t, False)], _round(held + new_held, quantum), cost + ms, s, kept, held,
-                           Segment(s, t, True))  # fmt: skip
+                    _offer(target, held + new_held, cost + ms, s, kept, held, seg)
         for flag in (False, True):
             _prune(front[(s + 1, flag)])
     ends = [
@@ -313,32 +317,28 @@ def _solve_exact(model: _Model, budget: int) -> tuple[Segment, ...] | None:
     segments: list[Segment] = []
     pos = n
     while pos > 0:
-        _, prev, prev_flag, prev_held, seg = front[(pos, flag)][held]
-        assert seg is not None
-        segments.append(seg)
+        _, prev, prev_flag, prev_held, (start, stop, checkpointed) = front[(pos, flag)][held]
+        segments.append(Segment(start, stop, checkpointed))
         pos, flag, held = prev, prev_flag, prev_held
     return _merge_plain(segments[::-1])
 
 
-def _round(value: int, quantum: int) -> int:
-    return -(-value // quantum) * quantum
-
-
 def _offer(
-    target: dict[int, tuple[float, int, bool, int, Segment | None]],
+    target: dict[int, tuple[float, int, bool, int, tuple[int, int, bool]]],
     held: int,
     cost: float,
     prev: int,
     prev_flag: bool,
     prev_held: int,
-    seg: Segment,
+    seg: tuple[int, int, bool],
 ) -> None:
+    """Keep the cheaper way to reach ``held``; ties go to the earlier start (deterministic)."""
     old = target.get(held)
-    if old is None or (cost, prev, prev_flag) < (old[0], old[1], old[2]):
+    if old is None or cost < old[0] or (cost == old[0] and (prev, prev_flag) < (old[1], old[2])):
         target[held] = (cost, prev, prev_flag, prev_held, seg)
 
 
-def _prune(points: dict[int, tuple[float, int, bool, int, Segment | None]]) -> None:
+def _prune(points: dict[int, tuple[float, int, bool, int, tuple[int, int, bool]]]) -> None:
     """Drop points that hold more and recompute no less than another point."""
     best = math.inf
     for held in sorted(points):

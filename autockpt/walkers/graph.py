@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,7 @@ class GraphProgram:
             users = [index.get(u, end) for u in n.users]
             self.last_use[n.name] = max(users, default=-1) + 1 if users else 0
         self.index = index
+        self.steps = [_compile(n, i, self.last_use) for i, n in enumerate(self.nodes)]
         called = {id(self.model.get_submodule(str(n.target))) for n in self.nodes if n.op == "call_module"}
         leaves_inside = {id(m) for n in self.nodes if n.op == "call_module"
                          for m in self.model.get_submodule(str(n.target)).modules()}  # fmt: skip
@@ -164,36 +166,18 @@ class GraphProgram:
     def run(self, env: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
         """Execute nodes ``[start, stop)``; return the values still needed after ``stop``."""
         env = dict(env)
-        for i in range(start, stop):
-            node = self.nodes[i]
-            env[node.name] = self._execute(node, env)
-            for used in node.all_input_nodes:
-                if self.last_use[used.name] <= i + 1:
-                    env.pop(used.name, None)
+        model = self.model
+        for name, call, drops in self.steps[start:stop]:
+            env[name] = call(model, env)
+            for used in drops:
+                env.pop(used, None)
         return {k: v for k, v in env.items() if self.last_use[k] > stop}
 
     def result(self, env: dict[str, Any]) -> Any:
         """The forward's return value from the final dict."""
         return fx.node.map_arg(self.output.args[0], lambda n: env[n.name])
 
-    def _execute(self, node: fx.Node, env: dict[str, Any]) -> Any:
-        args = fx.node.map_arg(node.args, lambda n: env[n.name])
-        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n.name])
-        if node.op == "call_module":
-            return self.model.get_submodule(str(node.target))(*args, **kwargs)
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)  # type: ignore[operator]
-        if node.op == "call_method":
-            self_arg, *rest = args
-            return getattr(self_arg, str(node.target))(*rest, **kwargs)
-        if node.op == "get_attr":
-            attr: Any = self.model
-            for part in str(node.target).split("."):
-                attr = getattr(attr, part)
-            return attr
-        raise AssertionError(f"unexpected fx node op {node.op!r}")
-
-    # --- cutting ----------------------------------------------------------------------
+        # --- cutting ----------------------------------------------------------------------
 
     def _global(self) -> set[str]:
         """Values that cost nothing extra to pass along (see the module docstring)."""
@@ -408,3 +392,70 @@ def _unique_names(units: list[Unit]) -> list[Unit]:
             name = f"{name}#{count}"
         out.append(dataclasses.replace(u, name=name))
     return out
+
+
+# NOTE [Running a trace]
+#     Graph-walked models run their trace node by node in Python on every training step, so
+#     the per-node cost is overhead on every step (tens of nodes per millisecond of compute
+#     in small convnets). Each node is turned once into a closure: constant arguments bound,
+#     node arguments read straight from the value dict, and the values it is the last user
+#     of listed. Submodules are still looked up on every call, through ``_modules`` (what
+#     ``setattr`` on a module updates), so replacing a layer after planning (a new
+#     classifier head) is seen, as it was with ``get_submodule``.
+
+_Step = tuple[str, Callable[[nn.Module, dict[str, Any]], Any], tuple[str, ...]]
+
+
+def _compile(node: fx.Node, i: int, last_use: dict[str, int]) -> _Step:
+    """One node as (output name, ``call(model, env)``, names to drop after it)."""
+    drops = tuple(dict.fromkeys(u.name for u in node.all_input_nodes if last_use[u.name] <= i + 1))
+    args, kwargs = _reader(node.args), _reader(node.kwargs)
+    target = node.target
+    call: Callable[[nn.Module, dict[str, Any]], Any]
+    if node.op == "call_module":
+        path = tuple(str(target).split("."))
+
+        def call(model: nn.Module, env: dict[str, Any]) -> Any:
+            module = model
+            for part in path:
+                module = module._modules[part]  # type: ignore[assignment]
+            return module(*args(env), **kwargs(env))
+
+    elif node.op == "call_function":
+        fn = target
+
+        def call(model: nn.Module, env: dict[str, Any]) -> Any:
+            return fn(*args(env), **kwargs(env))  # type: ignore[operator]
+
+    elif node.op == "call_method":
+        method = str(target)
+
+        def call(model: nn.Module, env: dict[str, Any]) -> Any:
+            self_arg, *rest = args(env)
+            return getattr(self_arg, method)(*rest, **kwargs(env))
+
+    elif node.op == "get_attr":
+        parts = str(target).split(".")
+
+        def call(model: nn.Module, env: dict[str, Any]) -> Any:
+            attr: Any = model
+            for part in parts:
+                attr = getattr(attr, part)
+            return attr
+
+    else:
+        raise AssertionError(f"unexpected fx node op {node.op!r}")
+    return node.name, call, drops
+
+
+def _reader(value: Any) -> Callable[[dict[str, Any]], Any]:
+    """A function of the value dict that rebuilds ``value`` (node arguments) with live values."""
+    if isinstance(value, tuple) and all(not isinstance(v, (tuple, list, dict)) for v in value):
+        # the common case: a flat tuple of nodes and constants
+        slots = tuple((True, v.name) if isinstance(v, fx.Node) else (False, v) for v in value)
+        if all(not is_node for is_node, _ in slots):
+            return lambda env: value
+        return lambda env: tuple(env[v] if is_node else v for is_node, v in slots)
+    if isinstance(value, dict) and not value:
+        return lambda env: value
+    return lambda env: fx.node.map_arg(value, lambda n: env[n.name])
