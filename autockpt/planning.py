@@ -219,9 +219,10 @@ def build_plan(
                 segments=tuple(segments), notes=tuple(notes), **extra)  # fmt: skip
     if plan.checkpointed_segments == 0 and strategy != "none" and budget is None:
         why = "the model has a single stage" if n == 1 else f"segments={spec!r} gives one segment"
-        msg = (
-            f"{where}: {why}, which is never recomputed, so checkpointing cannot lower the peak. "
-            f"Use segments='sqrt' or an int >= 2 on a model with more stages."
+        helps = ["mode='blocks' (each repeated block checkpointed alone)"] if chain.walker != "blocks" else []
+        helps += ["an int segments >= 2"] if n > 1 else []
+        msg = f"{where}: {why}, which is never recomputed, so checkpointing cannot lower the peak." + (
+            f" Try {' or '.join(helps)}." if helps else ""
         )
         warnings.warn(msg, UserWarning, stacklevel=4)
         plan = dataclasses.replace(plan, notes=(*plan.notes, msg))

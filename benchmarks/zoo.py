@@ -72,6 +72,7 @@ IMAGE_SIZES = (64, 96, 112, 128, 160, 192, 224)
 BUDGET = 0.6
 LOWER = 0.99  # a peak ratio below this counts as lower
 FIRST_STEP_SLACK = 1.05
+ACTIVATIONS_OVER_PARAMETERS = 1.5  # NOTE [Zoo input size]
 HF_PEAK_SLACK = 1.02
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -134,7 +135,9 @@ def timm_choose(family: str, batch: int) -> dict[str, Any]:
 
 
 def timm_probe(name: str, batch: int) -> dict[str, Any] | None:
-    """The smallest square input size the model runs a train-mode forward at."""
+    """The input size for a timm model: the smallest square size it runs a train-mode
+    forward at where its activations outweigh its parameters enough (NOTE [Zoo input
+    size]), else the largest size tried (its default)."""
     import timm
 
     def runs(model: nn.Module, chans: int, size: int) -> bool:
@@ -148,16 +151,56 @@ def timm_probe(name: str, batch: int) -> dict[str, Any] | None:
     plain = timm.create_model(name, pretrained=False).train()
     chans, h, w = plain.pretrained_cfg.get("input_size", (3, 224, 224))
     sizes = sorted({s for s in IMAGE_SIZES if s <= max(h, w)} | {max(h, w)})
+    found: dict[str, Any] | None = None
     for size in sizes:
-        if runs(plain, chans, size):
-            return {"input": [batch, chans, size, size], "kwargs": {}}
+        model, kwargs = plain, {}
+        if not runs(plain, chans, size):
+            try:
+                model, kwargs = (
+                    timm.create_model(name, pretrained=False, img_size=size).train(),
+                    {"img_size": size},
+                )
+            except Exception:
+                continue
+            if not runs(model, chans, size):
+                continue
+        found = {"input": [batch, chans, size, size], "kwargs": kwargs}
         try:
-            sized = timm.create_model(name, pretrained=False, img_size=size).train()
-        except Exception:
-            continue
-        if runs(sized, chans, size):
-            return {"input": [batch, chans, size, size], "kwargs": {"img_size": size}}
-    return None
+            if activations_outweigh_parameters(model, torch.randn(batch, chans, size, size)):
+                return found
+        except Exception:  # a train-mode step that fails is reported by the run itself
+            return found
+    return found
+
+
+# NOTE [Zoo input size]
+#     At 64x64 a ViT has 16 tokens; its activations are then smaller than its parameters'
+#     gradients, the unwrapped step's peak is the gradients at the end of backward, and no
+#     checkpointing can lower it (every such model measured 1.00x here, and 0.23-0.58x with
+#     gradients allocated before the step). Nobody checkpoints a model there. So the zoo runs
+#     each model at the smallest input at which the tensors its forward saves for backward
+#     weigh at least 1.5 times its parameters: where checkpointing has something to save
+#     (at 1x, the peak is still the gradients whenever a plan halves the activations: ViTs
+#     measured 0.86-1.00x, and 0.10-0.19x with gradients allocated before the step).
+#     torchvision's classifiers grow by the same rule from their listed size.
+
+
+def activations_outweigh_parameters(model: nn.Module, x: torch.Tensor) -> bool:
+    """Whether one train-mode forward saves for backward (parameters excluded) at least
+    ACTIVATIONS_OVER_PARAMETERS times the bytes of the model's parameters."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and t.device.type != "meta":
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(saved.values()) >= ACTIVATIONS_OVER_PARAMETERS * weights
 
 
 def build_timm(case: Case, batch: int) -> Built:
@@ -396,7 +439,7 @@ TV_CLASSIFICATION: dict[str, tuple[int, dict[str, Any]]] = {
     "swin_t": (64, {}),
     "swin_v2_t": (64, {}),
     "maxvit_t": (224, {}),
-    "vit_b_16": (64, {"image_size": 64}),
+    "vit_b_16": (224, {}),  # NOTE [Zoo input size]: at 64 its activations weigh less than its parameters
     "densenet121": (64, {}),
     "shufflenet_v2_x0_5": (64, {}),
     "squeezenet1_1": (64, {}),
@@ -432,7 +475,13 @@ def build_torchvision(case: Case, batch: int) -> Built:
     name = case.name
     if case.family == "classification":
         size, kw = TV_CLASSIFICATION[name]
-        b = batch if size <= 128 else 2
+        model = torchvision.models.get_model(name, weights=None, **kw).train()
+        b = batch if size <= 128 else 2  # inception_v3 at 299
+        for grown in [s for s in IMAGE_SIZES if s > size] if size <= 128 else []:
+            if activations_outweigh_parameters(model, torch.randn(b, 3, size, size)):
+                break
+            size = grown  # NOTE [Zoo input size]
+        torch.manual_seed(0)
         model = torchvision.models.get_model(name, weights=None, **kw).train()
         x = torch.randn(b, 3, size, size, generator=gen)
         return Built(
@@ -1236,7 +1285,9 @@ def main() -> None:
 
     opts.out.mkdir(parents=True, exist_ok=True)
     cache_path = opts.out / "zoo_timm_models.json"
-    cache_key = f"timm {timm.__version__}, batch {opts.batch}, < {MAX_PARAMS / 1e6:.0f}M"
+    cache_key = (
+        f"timm {timm.__version__}, batch {opts.batch}, < {MAX_PARAMS / 1e6:.0f}M, activations > parameters"
+    )
     cache: dict[str, Any] = {}
     if cache_path.exists():
         stored = json.loads(cache_path.read_text())

@@ -378,3 +378,75 @@ def test_a_layer_replaced_after_planning_is_the_one_that_runs() -> None:
     out.sum().backward()
     expected.sum().backward()
     assert head.weight.grad is not None and torch.equal(head.weight.grad, ref.fc.weight.grad)
+
+
+class TwoStreamBlock(nn.Module):
+    """A block that passes two tensors on (patch tokens and a class token, as timm's PiT)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.mix = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.cls = nn.Linear(d, d)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, c = pair
+        x = x + self.mix(x + c)
+        return x, c + self.cls(x.mean(1, keepdim=True))
+
+
+class TwoStream(nn.Module):
+    def __init__(self, d: int = 16, depth: int = 6) -> None:
+        super().__init__()
+        self.c0 = nn.Parameter(torch.zeros(1, 1, d))
+        self.blocks = nn.Sequential(*(TwoStreamBlock(d) for _ in range(depth)))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, c = self.blocks((x, self.c0.expand(x.shape[0], 1, -1)))
+        return self.head(c[:, 0] + x.mean(1))
+
+
+def test_blocks_that_pass_two_tensors_are_checkpointed_one_by_one() -> None:
+    """fx traces it, but no cut has one tensor crossing: the graph walker's one piece would
+    hold every block (1.00x); the block walker is taken (NOTE [One unit holds the blocks])."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 16, dtype=D)
+    model = same_training(TwoStream().to(D), (x,), steps=1)
+    assert model.forward.plan.walker == "blocks"
+    assert model.forward.plan.checkpointed_segments == 6
+    assert peak(model, (x,)) < 0.7 * peak(TwoStream().to(D), (x,))
+    forced = autockpt.auto_checkpoint(TwoStream().to(D), mode="graph")
+    assert forced.forward.plan.walker == "graph"
+
+
+class Staged(nn.Module):
+    """Stages as a ModuleList of ModuleLists of blocks (timm's Twins), run by a loop with
+    data-dependent control flow, so fx cannot trace it and the block walker runs."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+
+        def block() -> nn.Module:
+            return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+        self.stages = nn.ModuleList(nn.ModuleList(block() for _ in range(3)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            for block in stage:
+                x = x + block(x) if x.sum() > -1e9 else x
+        return x
+
+
+def test_lists_of_lists_checkpoint_the_blocks_not_the_lists() -> None:
+    """A ModuleList is never called, so a checkpoint put on one never runs: before the fix
+    the plan said 2 checkpointed 'blocks' (the stage lists), the peak stayed 1.00x and a
+    budget profile failed ("did not run with gradients enabled")."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 16, dtype=D)
+    model = same_training(Staged().to(D), (x,), steps=1)
+    assert model.forward.plan.walker == "blocks"
+    assert model.forward.plan.stage_names == tuple(f"stages.{i}.{j}" for i in range(2) for j in range(3))
+    assert peak(model, (x,)) < 0.6 * peak(Staged().to(D), (x,))
+    budgeted = autockpt.auto_checkpoint(Staged().to(D), budget=0.8, example_inputs=(x,))
+    assert budgeted.forward.plan.checkpointed_segments >= 1

@@ -14,6 +14,8 @@ first layer differs), the groups holding the most parameters are taken first, sk
 inside or around a block already taken. A module with no submodules (a ``Linear``, a
 ``LayerNorm``: two heads or two norms side by side) is never a block: it keeps its input
 for backward anyway, so a checkpoint around it alone saves nothing and costs a recompute.
+Nor is a ``ModuleList`` or ``ModuleDict``, which is never called (a list of stages, each a
+list of blocks, as timm's Twins has): the blocks inside it are the candidates.
 """
 
 from __future__ import annotations
@@ -35,7 +37,11 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for path, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
-        children = [(f"{path}.{name}" if path else name, child) for name, child in container.named_children()]
+        children = [
+            (f"{path}.{name}" if path else name, child)
+            for name, child in container.named_children()
+            if not isinstance(child, _NOT_CALLED)
+        ]
         by_class: dict[type, list[tuple[str, nn.Module]]] = {}
         for item in children:
             by_class.setdefault(type(item[1]), []).append(item)
@@ -50,6 +56,10 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         taken.extend(group)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return sorted(taken, key=lambda item: order[item[0]])
+
+
+# containers that have no forward: their children are called, never they (twins' stages)
+_NOT_CALLED = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def _composite(group: list[tuple[str, nn.Module]]) -> bool:
