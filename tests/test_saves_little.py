@@ -50,7 +50,7 @@ def test_one_stage_holding_most_activations_is_named() -> None:
 def test_a_long_skip_connection_is_explained_with_the_stages_found() -> None:
     x = torch.randn(256, 64)
     with pytest.warns(UserWarning, match=r"found only 3 stages \(stem, body, head\).*mode='blocks'"):
-        model = autockpt.auto_checkpoint(LongSkip(), example_inputs=(x,))
+        model = autockpt.auto_checkpoint(LongSkip(), mode="graph", example_inputs=(x,))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(x).sum().backward()  # warned once, at planning: not again in training
@@ -59,8 +59,17 @@ def test_a_long_skip_connection_is_explained_with_the_stages_found() -> None:
         autockpt.auto_checkpoint(LongSkip(), mode="blocks", example_inputs=(x,))
 
 
+def test_left_to_choose_the_walker_takes_the_blocks_the_skip_spans() -> None:
+    """The body piece is most of the model and all blocks (NOTE [One unit holds the blocks])."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = autockpt.auto_checkpoint(LongSkip(), example_inputs=(torch.randn(256, 64),))
+    assert model.forward.plan.walker == "blocks"
+    assert model.forward.plan.checkpointed_segments == 8
+
+
 def test_without_example_inputs_the_warning_comes_with_the_first_step() -> None:
-    model = autockpt.auto_checkpoint(LongSkip())
+    model = autockpt.auto_checkpoint(LongSkip(), mode="graph")
     with pytest.warns(UserWarning, match="save little memory"):
         model(torch.randn(256, 64)).sum().backward()
 
