@@ -545,7 +545,7 @@ def segmentation_loss(target: torch.Tensor) -> Callable[[Any], torch.Tensor]:
 def all_cases(cache: dict[str, Any]) -> list[Case]:
     import timm
 
-    cases = [Case("timm", fam, fam, cache.get(fam)) for fam in timm.list_modules()]
+    cases = []  # the quick suites first: a run cut short has them (--resume goes on)
     for fam in HF_MODELS:
         cases.append(Case("hf", fam, fam))
         if fam in HF_PADDED:
@@ -556,7 +556,7 @@ def all_cases(cache: dict[str, Any]) -> list[Case]:
         ("segmentation", TV_SEGMENTATION),
     ):
         cases.extend(Case("torchvision", task, name) for name in names)
-    return cases
+    return cases + [Case("timm", fam, fam, cache.get(fam)) for fam in timm.list_modules()]
 
 
 def selected(case: Case, only: list[str] | None, suite: str | None) -> bool:
@@ -1285,9 +1285,8 @@ def main() -> None:
 
     opts.out.mkdir(parents=True, exist_ok=True)
     cache_path = opts.out / "zoo_timm_models.json"
-    cache_key = (
-        f"timm {timm.__version__}, batch {opts.batch}, < {MAX_PARAMS / 1e6:.0f}M, activations > parameters"
-    )
+    rule = f"activations > {ACTIVATIONS_OVER_PARAMETERS}x parameters"  # NOTE [Zoo input size]
+    cache_key = f"timm {timm.__version__}, batch {opts.batch}, < {MAX_PARAMS / 1e6:.0f}M, {rule}"
     cache: dict[str, Any] = {}
     if cache_path.exists():
         stored = json.loads(cache_path.read_text())
