@@ -52,6 +52,14 @@ class BlockForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.call((args, kwargs))
+        block = self.call.block
+        if block.training and getattr(block, "gradient_checkpointing", False) is True:
+            raise AutockptError(  # NOTE [Never two checkpointings] in integrations/transformers.py
+                f"auto_checkpoint: block {type(block).__name__} has Hugging Face's gradient "
+                f"checkpointing switched on as well as autockpt's, so it would be checkpointed twice "
+                f"(two recomputes, nothing saved). Call model.gradient_checkpointing_disable(), or "
+                f"autockpt.restore(model) to keep Hugging Face's."
+            )
         args, kwargs, changed = without_caches(args, kwargs)
         if changed and not BlockForward.told_caches:
             BlockForward.told_caches = True
