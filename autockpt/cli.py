@@ -206,7 +206,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         model, _segments(args.segments), budget=budget, example_inputs=inputs,
         mode=args.mode, loss_fn=_loss_for_plan(args),
     )  # fmt: skip
-    print(plan.to_json() if args.json else plan)
+    print(plan.to_json() if args.json else plan.explain() if args.explain else plan)
     return 0
 
 
@@ -263,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timing repeats per stage")
     p.set_defaults(run=_cmd_profile)
     p = sub.add_parser("plan", parents=[common, planning], help="the plan auto_checkpoint would apply")
+    p.add_argument("--explain", action="store_true", help="per segment: bytes kept and freed, recompute time")
     p.set_defaults(run=_cmd_plan)
     p = sub.add_parser("verify", parents=[common, planning], help="gradients and peak vs the unwrapped model")
     p.add_argument("--atol", type=float, default=0.0)

@@ -22,7 +22,7 @@ from typing import Any
 
 from autockpt.units import format_bytes
 
-__all__ = ["Plan", "Segment", "set_applier", "validate_segments"]
+__all__ = ["Plan", "Segment", "StageFigures", "set_applier", "validate_segments"]
 
 _JSON_VERSION = 1
 
@@ -108,6 +108,22 @@ def validate_segments(segments: Sequence[Segment], start: int, stop: int, *, whe
 
 
 @dataclass(frozen=True)
+class StageFigures:
+    """One stage's figures, for :meth:`Plan.explain`.
+
+    Attributes:
+        in_bytes: its input: what a checkpoint starting at it keeps from forward to backward.
+        saved_bytes: what it keeps for backward when not checkpointed (parameters excluded;
+            its input included when it saves it and the stage before does not count it).
+        fwd_ms: its forward time, what recomputing it costs (measured for budget plans).
+    """
+
+    in_bytes: int
+    saved_bytes: int
+    fwd_ms: float | None = None
+
+
+@dataclass(frozen=True)
 class Plan:
     """How a model's chain of stages is checkpointed.
 
@@ -140,11 +156,16 @@ class Plan:
     predicted_recompute_ms: float | None = None
     notes: tuple[str, ...] = field(default=())
     budget_bytes: int | None = None
+    stage_figures: tuple[StageFigures, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.stage_kinds) != len(self.stage_names):
             raise ValueError(
                 f"Plan: {len(self.stage_names)} stage names but {len(self.stage_kinds)} stage kinds."
+            )
+        if self.stage_figures is not None and len(self.stage_figures) != len(self.stage_names):
+            raise ValueError(
+                f"Plan: {len(self.stage_names)} stage names but {len(self.stage_figures)} stage figures."
             )
         validate_segments(self.segments, 0, len(self.stage_names), where="Plan")
 
@@ -186,6 +207,7 @@ class Plan:
             "predicted_recompute_ms": self.predicted_recompute_ms,
             "notes": list(self.notes),
             "budget_bytes": self.budget_bytes,
+            "stage_figures": None if self.stage_figures is None else [vars(f) for f in self.stage_figures],
         }
         return json.dumps(data, indent=2)
 
@@ -212,7 +234,64 @@ class Plan:
             predicted_recompute_ms=data.get("predicted_recompute_ms"),
             notes=tuple(data.get("notes", ())),
             budget_bytes=data.get("budget_bytes"),
+            stage_figures=None
+            if data.get("stage_figures") is None
+            else tuple(StageFigures(**f) for f in data["stage_figures"]),
         )
+
+    def explain(self) -> str:
+        """Why each segment is what it is, in plain text: its stages, the input a checkpoint
+        keeps from forward to backward in place of what its stages would save, and the
+        recompute that costs (bytes come from the dry run that example inputs allow, times
+        from a budget's profile)."""
+        figs = self.stage_figures
+        lines = [
+            f"autockpt plan ({self.strategy!r}, {self.walker} walker): {self.n_stages} stages in "
+            f"{len(self.segments)} segments, {self.checkpointed_segments} checkpointed"
+        ]
+        kept = freed = 0
+        times: list[float | None] = []
+        for i, seg in enumerate(self.segments):
+            what = "checkpointed" if seg.checkpoint else "plain"
+            lines.append(f"segment {i}: {_stage_span(self, seg)}, {what}")
+            if seg.children:
+                inner = sum(1 for c in seg.children if c.checkpoint)
+                lines.append(f"  inside: {len(seg.children)} nested segments, {inner} checkpointed")
+            if figs is None:
+                continue
+            own = figs[seg.start : seg.stop]
+            saved = sum(f.saved_bytes for f in own)
+            if seg.checkpoint:
+                ms = [f.fwd_ms for f in own]
+                known = [m for m in ms if m is not None]
+                cost = f" ({sum(known):.2f} ms)" if len(known) == len(ms) else ""
+                lines.append(
+                    f"  keeps its input, {format_bytes(own[0].in_bytes)}, from forward to backward, in "
+                    f"place of the {format_bytes(saved)} its stages save"
+                )
+                lines.append(f"  recomputes {len(seg)} stage forward{'s' * (len(seg) > 1)} in backward{cost}")
+                kept += own[0].in_bytes
+                freed += saved
+                times.extend(ms)
+            else:
+                lines.append(f"  keeps what its stages save for backward: {format_bytes(saved)}")
+        if figs is None:
+            lines.append(
+                "no per-stage figures: plan with example_inputs (a dry run) or a budget (a profile) "
+                "to see the bytes each segment keeps and frees"
+            )
+        else:
+            total = (
+                f"in all: checkpoints keep {format_bytes(kept)} of inputs in place of the "
+                f"{format_bytes(freed)} their stages save"
+            )
+            if times and all(t is not None for t in times):
+                total += f"; the recompute costs {sum(t for t in times if t is not None):.2f} ms per step"
+            lines.append(total)
+        if self.predicted_peak_bytes is not None:
+            lines.append(f"predicted peak: {format_bytes(self.predicted_peak_bytes)}")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         head = (
@@ -240,6 +319,15 @@ class Plan:
             lines.append(f"predicted recompute time: {self.predicted_recompute_ms:.2f} ms per step")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _stage_span(plan: Plan, seg: Segment) -> str:
+    names = plan.stage_names
+    if len(seg) == 1:
+        return f"stage {seg.start} ({names[seg.start]})"
+    if len(seg) <= 3:
+        return f"stages {seg.start}-{seg.stop - 1} ({', '.join(names[seg.start : seg.stop])})"
+    return f"stages {seg.start}-{seg.stop - 1} ({names[seg.start]} .. {names[seg.stop - 1]})"
 
 
 def _recomputed(segments: Sequence[Segment]) -> int:

@@ -34,7 +34,7 @@ from autockpt.measure.dry_run import dry_run
 from autockpt.measure.losses import LossFn
 from autockpt.measure.model_profile import model_profile
 from autockpt.measure.profiling import Profile
-from autockpt.plan import Plan, Segment
+from autockpt.plan import Plan, Segment, StageFigures
 from autockpt.planners import Planner, PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import estimated_peak, uniform_plan
 from autockpt.planners.budget import predict
@@ -216,7 +216,8 @@ def build_plan(
         segments = (Segment(segments[0].start, segments[0].stop, False), *segments[1:])
         notes.append("the first stage modifies the model input in place, so segment 0 is not checkpointed")
     plan = Plan(strategy=strategy, walker=chain.walker, stage_names=chain.names, stage_kinds=chain.kinds,
-                segments=tuple(segments), notes=tuple(notes), **extra)  # fmt: skip
+                segments=tuple(segments), notes=tuple(notes), stage_figures=_figures(chain, budget),
+                **extra)  # fmt: skip
     if plan.checkpointed_segments == 0 and strategy != "none" and budget is None:
         why = "the model has a single stage" if n == 1 else f"segments={spec!r} gives one segment"
         helps = ["mode='blocks' (each repeated block checkpointed alone)"] if chain.walker != "blocks" else []
@@ -233,6 +234,26 @@ def build_plan(
             warnings.warn(msg, UserWarning, stacklevel=4)
             plan = dataclasses.replace(plan, notes=(*plan.notes, msg))
     return plan
+
+
+def _figures(chain: Chain, budget: BudgetCosts | None) -> tuple[StageFigures, ...] | None:
+    """Per-stage figures for ``Plan.explain``: a budget's profile (with times), else the dry
+    run's bytes, else none."""
+    if budget is not None:
+        by_name = dict(zip(budget.profile.stage_names, budget.profile.costs))  # blocks: gaps too
+        if any(name not in by_name for name in chain.names):
+            return None
+        out, counted = [], False  # counted: the previous stage's output is in its saved bytes
+        for c in (by_name[name] for name in chain.names):
+            own_input = c.in_bytes if c.keeps_input and not counted else 0
+            out.append(
+                StageFigures(c.in_bytes, c.kept_bytes + own_input + c.out_bytes * c.keeps_output, c.fwd_ms)
+            )
+            counted = c.keeps_output
+        return tuple(out)
+    if chain.input_bytes is not None and chain.saved_bytes:
+        return tuple(StageFigures(i, s) for i, s in zip(chain.input_bytes, chain.saved_bytes))
+    return None
 
 
 # below this fraction of the unwrapped activation peak a plan counts as saving something

@@ -66,6 +66,8 @@ def test_plan_prints_the_table_and_json(capsys: pytest.CaptureFixture[str]) -> N
     )
     plan = json.loads(out)
     assert code == 0 and plan["strategy"] == "3" and len(plan["segments"]) == 3
+    code, out, _ = run(["plan", "autockpt.models:NiN", "--input", "2x3x32x32", "--explain"], capsys)
+    assert code == 0 and "segment 0: " in out and "keeps its input" in out and "in all: " in out
 
 
 def test_plan_with_a_budget_and_factory_kwargs(capsys: pytest.CaptureFixture[str]) -> None:

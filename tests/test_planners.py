@@ -6,6 +6,7 @@ import itertools
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -254,3 +255,31 @@ def test_sqrt_on_bytes_never_estimates_worse_than_the_split_at_sqrt_a_over_b(
     chosen = sqrt_with(saved, inputs)
     bounds = [s.start for s in chosen] + [n]
     assert estimated_peak(bounds, inputs, saved) <= estimated_peak(plain, inputs, saved)
+
+
+def _chain(blocks: int = 9) -> torch.nn.Sequential:
+    return torch.nn.Sequential(
+        *(m for _ in range(blocks) for m in (torch.nn.Linear(256, 256), torch.nn.GELU()))
+    )
+
+
+def test_explain_gives_each_segment_its_kept_input_and_what_its_stages_save() -> None:
+    x = torch.randn(512, 256)  # 512 KiB; every Linear and GELU saves its input
+    plan = autockpt.make_plan(_chain(), example_inputs=(x,))
+    text = plan.explain()
+    assert "segment 0: stages 0-3 (0 .. 3), checkpointed" in text
+    assert (
+        "keeps its input, 512.00 KiB, from forward to backward, in place of the 2.00 MiB its stages save"
+        in text
+    )
+    assert f"segment {len(plan.segments) - 1}: " in text and text.count(", plain") == 1
+    assert "in all: checkpoints keep 2.00 MiB of inputs in place of the 7.50 MiB their stages save" in text
+    assert Plan.from_json(plan.to_json()) == plan  # the figures travel with the plan
+
+
+def test_explain_shows_recompute_times_for_a_budget_plan_and_says_when_it_has_no_figures() -> None:
+    x = torch.randn(512, 256)
+    text = autockpt.make_plan(_chain(), budget=0.6, example_inputs=(x,)).explain()
+    assert "recomputes 4 stage forwards in backward (" in text and "the recompute costs" in text
+    bare = autockpt.make_plan(_chain()).explain()
+    assert "no per-stage figures" in bare and "keeps its input" not in bare
