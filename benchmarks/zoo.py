@@ -45,6 +45,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -80,6 +81,8 @@ LOWER = 0.99  # a peak ratio below this counts as lower
 FIRST_STEP_SLACK = 1.05
 ACTIVATIONS_OVER_PARAMETERS = 1.5  # NOTE [Zoo input size]
 HF_PEAK_SLACK = 1.02
+PLAN_TARGET = 3.0  # auto_checkpoint with example inputs, in training steps
+BUDGET_PLAN_TARGET = 10.0  # the same with a budget (profile included)
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
@@ -1063,6 +1066,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     budget = [r["budget_peak_ratio"] for r in ran if r.get("budget_peak_ratio") is not None]
     first = [r["first_step_ratio"] for r in ran if r.get("first_step_ratio") is not None]
     hf = [r for r in ran if r.get("meets_hf_target") is not None]
+    timm = [r for r in ran if r["suite"] == "timm"]
+    hf_all = [r for r in ran if r["suite"] == "hf"]
     return {
         "models": len(records),
         "skipped": len(records) - len(ran),
@@ -1083,7 +1088,27 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "hf_peak_met": sum(1 for r in hf if r["sqrt_vs_hf_peak"] <= HF_PEAK_SLACK),
         "hf_compared": len(hf),
         "autockpt_commits": dict(collections.Counter(str(r.get("autockpt_commit")) for r in records)),
+        "timm_ran": len(timm),
+        "timm_good": sum(1 for r in timm if good(r)),
+        "timm_not_good": [r["name"] for r in timm if not good(r)],
+        "hf_budget_good": sum(1 for r in hf_all if r.get("budget_kept") and r.get("budget_exact")),
+        "hf_ran": len(hf_all),
+        "plan_within": sum(1 for r in ran if (r.get("sqrt_plan_ratio") or math.inf) <= PLAN_TARGET),
+        "budget_plan_within": sum(
+            1 for r in ran if (r.get("budget_plan_ratio") or math.inf) <= BUDGET_PLAN_TARGET
+        ),
+        "plan_measured": sum(1 for r in ran if r.get("sqrt_plan_ratio") is not None),
+        "budget_plan_measured": sum(1 for r in ran if r.get("budget_plan_ratio") is not None),
     }
+
+
+def good(r: dict[str, Any]) -> bool:
+    """Exact, checkpointed and lower in peak, with no failure: the zoo's target per timm family."""
+    return (
+        status(r) == "exact"
+        and (r.get("sqrt_plan") or {}).get("checkpointed", 0) > 0
+        and (r.get("sqrt_peak_ratio") or 1.0) < LOWER
+    )
 
 
 def summary_line(s: dict[str, Any], elapsed: float) -> str:
@@ -1102,7 +1127,11 @@ def summary_line(s: dict[str, Any], elapsed: float) -> str:
         f"(kept {s['budget_kept']}, infeasible {s['budget_infeasible']}); "
         f"first step <= steady +5%: {s['first_step_ok']}/{s['first_step_measured']}; "
         f"HF target (peak <= GC +2%, time <= GC): {s['hf_target_met']}/{s['hf_compared']} "
-        f"(peak alone {s['hf_peak_met']}); {elapsed / 60:.1f} min"
+        f"(peak alone {s['hf_peak_met']}); HF budget plans kept and exact: "
+        f"{s['hf_budget_good']}/{s['hf_ran']}; timm exact, checkpointed and lower: "
+        f"{s['timm_good']}/{s['timm_ran']}; plan <= {PLAN_TARGET:.0f}x a step: "
+        f"{s['plan_within']}/{s['plan_measured']}, budget plan <= {BUDGET_PLAN_TARGET:.0f}x: "
+        f"{s['budget_plan_within']}/{s['budget_plan_measured']}; {elapsed / 60:.1f} min"
     )
 
 
@@ -1244,7 +1273,12 @@ def markdown(records: list[dict[str, Any]], s: dict[str, Any], line: str, meta: 
 
 
 def write(
-    out_dir: Path, stem: str, records: list[dict[str, Any]], meta: dict[str, Any], elapsed: float
+    out_dir: Path,
+    stem: str,
+    records: list[dict[str, Any]],
+    meta: dict[str, Any],
+    elapsed: float,
+    docs: Path | None = None,
 ) -> str:
     s = summarize(records)
     meta["elapsed_s"] = elapsed
@@ -1253,6 +1287,8 @@ def write(
         json.dumps({"meta": meta, "summary": s, "records": records}, indent=1, default=str)
     )
     (out_dir / f"{stem}.md").write_text(markdown(records, s, line, meta))
+    if docs is not None:
+        docs.write_text(markdown(records, s, line, meta))
     return line
 
 
@@ -1294,6 +1330,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--per-worker", type=int, default=4, help="models run by one worker process")
     parser.add_argument("--resume", action="store_true", help="skip the models the JSON already has")
+    parser.add_argument("--docs", type=Path, default=None, help="also write the table here (docs/zoo.md)")
     parser.add_argument(
         "--memory-gib", type=float, default=12.0, help="data size limit of a worker (0: none)"
     )
@@ -1361,10 +1398,10 @@ def main() -> None:
             cache_path.write_text(json.dumps({"key": cache_key, "choices": cache}, indent=1))
         records.append(rec)
         bar.write(short(rec))
-        write(opts.out, stem, records, meta, time.perf_counter() - t0)
+        write(opts.out, stem, records, meta, time.perf_counter() - t0, opts.docs)
     if worker is not None:
         worker.close()
-    line = write(opts.out, stem, records, meta, time.perf_counter() - t0)
+    line = write(opts.out, stem, records, meta, time.perf_counter() - t0, opts.docs)
     print(line, flush=True)
     wrong = summarize(records)["wrong"]
     if wrong:
