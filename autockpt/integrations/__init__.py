@@ -2,5 +2,6 @@
 
 ``autockpt.integrations.transformers``: ``enable``/``disable``, the one-line replacement for
 Hugging Face's ``model.gradient_checkpointing_enable()``, and ``AutoCheckpointCallback`` for
-its ``Trainer``. Each integration imports its framework; this package imports none.
+its ``Trainer``. ``autockpt.integrations.lightning``: ``AutoCheckpoint``, a callback for
+``lightning.Trainer``. Each integration imports its framework; this package imports none.
 """

@@ -1,0 +1,100 @@
+"""Lightning: ``Trainer(callbacks=[AutoCheckpoint()])`` checkpoints the model for ``fit``.
+
+NOTE [Example inputs from the first batch]
+    A budget is planned from a profile, which needs the checkpointed module's inputs. A
+    training batch is not that: ``training_step`` unpacks it, moves it, maybe augments it.
+    So the first training step runs with the ``"sqrt"`` plan while a forward pre-hook on the
+    module keeps its first call's arguments, and the budget plan replaces it before the
+    second step. Running ``training_step`` once beforehand to see the inputs would draw
+    random numbers and log metrics the real run then does not match.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from autockpt.api import auto_checkpoint, restore
+from autockpt.planning import SegmentsSpec
+
+__all__ = ["AutoCheckpoint"]
+
+
+class AutoCheckpoint(Callback):  # type: ignore[misc]
+    """Checkpoint the ``LightningModule`` (or its submodule ``module``) with autockpt while
+    it is fitted, and restore it afterwards.
+
+    Args:
+        segments: what :func:`autockpt.auto_checkpoint` takes; ``"sqrt"`` by default.
+        budget: plan for a memory budget instead (bytes, ``"2GiB"``, or a fraction of the
+            unwrapped step); the example inputs come from the first training step (NOTE
+            [Example inputs from the first batch]), which runs with the ``"sqrt"`` plan.
+        module: the dotted name of the submodule to checkpoint (``"model"``,
+            ``"backbone.encoder"``); by default the ``LightningModule`` itself.
+        mode: force a walker (``"sequential"``, ``"graph"``, ``"blocks"``).
+
+    Attributes:
+        plan: the plan installed now (``None`` before ``fit`` and after it).
+    """
+
+    def __init__(
+        self,
+        segments: SegmentsSpec = "sqrt",
+        *,
+        budget: int | float | str | None = None,
+        module: str | None = None,
+        mode: str | None = None,
+    ) -> None:
+        self.segments = segments
+        self.budget = budget
+        self.module = module
+        self.mode = mode
+        self.plan: Any = None
+        self._target: nn.Module | None = None
+        self._inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._handle: Any = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        target = pl_module if self.module is None else pl_module.get_submodule(self.module)
+        self._target = target
+        auto_checkpoint(target, "sqrt" if self.budget is not None else self.segments, mode=self.mode)
+        if self.budget is not None:
+            self._handle = target.register_forward_pre_hook(self._keep_inputs, with_kwargs=True)
+        self.plan = getattr(target.forward, "plan", None)
+
+    def _keep_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._inputs is None and torch.is_grad_enabled():
+            self._inputs = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._handle is None or self._inputs is None or self._target is None:
+            return
+        self._handle.remove()
+        self._handle = None
+        args, kwargs = self._inputs
+        self._inputs = None
+        auto_checkpoint(
+            self._target,
+            budget=self.budget,
+            example_inputs=args,
+            example_kwargs=kwargs or None,
+            mode=self.mode,
+        )
+        self.plan = getattr(self._target.forward, "plan", None)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or self._target is None:
+            return
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        restore(self._target)
+        self._target, self.plan = None, None
