@@ -41,11 +41,14 @@ def without_caches(
         new_kwargs["use_cache"] = False
         changed.append("use_cache=False")
     for name, value in kwargs.items():
-        if value is None or isinstance(value, torch.Tensor):
+        if value is None or isinstance(value, (torch.Tensor, bool, int, float, str)):
             continue
         if is_cache(value) or (name in CACHE_ARGUMENTS and not isinstance(value, (bool, int))):
             new_kwargs[name] = None
             changed.append(f"{name}=None")
-    new_args = tuple(None if is_cache(a) else a for a in args)
-    changed.extend(f"argument {i}=None" for i, a in enumerate(args) if is_cache(a))
+    caches = [
+        i for i, a in enumerate(args) if not isinstance(a, torch.Tensor) and a is not None and is_cache(a)
+    ]
+    new_args = tuple(None if i in caches else a for i, a in enumerate(args)) if caches else args
+    changed.extend(f"argument {i}=None" for i in caches)
     return new_args, new_kwargs, changed

@@ -75,6 +75,8 @@ def output_metadata(x: Any) -> Any:
     """The shape, dtype and device of the tensors in ``x`` (a stage's output)."""
     if isinstance(x, torch.Tensor):
         return (x.shape, x.dtype, x.device)
+    if isinstance(x, tuple) and all(isinstance(t, torch.Tensor) or t is None for t in x):  # most blocks
+        return tuple((t.shape, t.dtype, t.device) for t in x if t is not None)
     return tuple((t.shape, t.dtype, t.device) for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor))
 
 

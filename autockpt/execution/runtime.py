@@ -267,7 +267,7 @@ class _SegmentCall:
         self.rt = rt
         self.x = x  # the segment's input (NOTE [Segment inputs])
         self.old: dict[int, torch.Tensor | None] | None = None
-        self.guarded: list[tuple[str, str, torch.Tensor]] = []  # module name, tensor name, tensor
+        self.guarded: list[torch.Tensor] = []  # parameters and buffers whose versions are kept
         self.versions: list[int] = []  # per self.guarded
         self.modes: list[bool] = []  # per rt.named_modules
         self.hooks: HookState = ((), (), ())
@@ -322,27 +322,31 @@ class _SegmentCall:
         """What the recompute must find unchanged: parameter and buffer versions (buffers
         this forward changed are replayed from the copies above, so they are exempt) and
         every module's train/eval mode. See NOTE [Mutation guard]."""
-        skip = {id(self.rt.buffers[i][0]._buffers.get(self.rt.buffers[i][1])) for i in replayed}
-        guarded = self.guarded
-        for name, module in self.rt.named_modules:
-            for tensors in (module._parameters, module._buffers):
-                for pname, t in tensors.items():
-                    if t is not None and id(t) not in skip:
-                        guarded.append((name, pname, t))
-        self.versions = [t._version for _, _, t in guarded]
+        guarded = [
+            t
+            for _, module in self.rt.named_modules
+            for tensors in (module._parameters, module._buffers)
+            for t in tensors.values()
+            if t is not None
+        ]
+        if replayed:
+            skip = {id(self.rt.buffers[i][0]._buffers.get(self.rt.buffers[i][1])) for i in replayed}
+            guarded = [t for t in guarded if id(t) not in skip]
+        self.guarded = guarded
+        self.versions = [t._version for t in guarded]
         self.modes = [module.training for _, module in self.rt.named_modules]
         self.hooks = hook_state(self.rt.hooked)
 
     def _check_state(self) -> None:
         if (
-            [t._version for _, _, t in self.guarded] == self.versions
+            [t._version for t in self.guarded] == self.versions
             and [module.training for _, module in self.rt.named_modules] == self.modes
             and hook_state(self.rt.hooked) == self.hooks
         ):
             return
-        for (module_name, pname, t), version in zip(self.guarded, self.versions):
+        for t, version in zip(self.guarded, self.versions):
             if t._version != version:
-                name = f"{module_name}.{pname}" if module_name else pname
+                name = self._name_of(t)
                 kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
                 raise MutationError(
                     f"autockpt: {kind} {name!r} (shape {tuple(t.shape)}) was modified in place between "
@@ -362,6 +366,15 @@ class _SegmentCall:
         hooks = hook_state(self.rt.hooked)
         if hooks != self.hooks:
             raise hook_error(self.rt.description, self.rt.hooked, self.hooks, hooks)
+
+    def _name_of(self, tensor: torch.Tensor) -> str:
+        """The qualified name of one of the segment's parameters or buffers (for errors)."""
+        for module_name, module in self.rt.named_modules:
+            for tensors in (module._parameters, module._buffers):
+                for name, t in tensors.items():
+                    if t is tensor:
+                        return f"{module_name}.{name}" if module_name else name
+        return "?"
 
     def _recompute(self, x: Any) -> Any:
         rt, old = self.rt, self.old
