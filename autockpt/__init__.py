@@ -18,6 +18,7 @@ from autockpt.measure.profiling import Profile
 from autockpt.plan import Plan, Segment
 from autockpt.planners import PlanRequest, available_planners, register_planner
 from autockpt.sandbox import is_recomputing
+from autockpt.tradeoff import Tradeoff, TradeoffPoint, tradeoff
 from autockpt.verification import VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -33,6 +34,8 @@ __all__ = [
     "Profile",
     "RecomputeMismatchError",
     "Segment",
+    "Tradeoff",
+    "TradeoffPoint",
     "VerifyReport",
     "auto_checkpoint",
     "available_planners",
@@ -44,5 +47,6 @@ __all__ = [
     "register_planner",
     "restore",
     "track_memory",
+    "tradeoff",
     "verify",
 ]

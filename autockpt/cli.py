@@ -1,8 +1,9 @@
-"""The ``autockpt`` command: profile, plan and verify any importable model factory.
+"""The ``autockpt`` command: profile, plan, weigh and verify any importable model factory.
 
     autockpt plan torchvision.models:resnet50 --input 8x3x224x224 --budget 0.5
     autockpt verify autockpt.models:NiN --input 16x3x32x32 --segments sqrt
     autockpt profile mypkg.nets:build --kwargs '{"depth": 12}' --input 4x256:int64 --json
+    autockpt tradeoff autockpt.models:NiN --input 64x3x32x32 --measure --out plots
     autockpt plan mypkg.nets:gpt --input 8x1024:int64 --device meta --budget 40GiB --loss cross-entropy
 
 Tables for people by default, ``--json`` for machines. Exit codes: 0 success, 1 when
@@ -210,6 +211,34 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tradeoff(args: argparse.Namespace) -> int:
+    import autockpt
+
+    if torch.device(args.device).type == "meta" and args.measure:
+        raise CommandLineError(
+            "--measure runs training steps, which the meta device cannot; use cpu or cuda."
+        )
+    model, inputs = _build(args)
+    sweep = autockpt.tradeoff(model, inputs, mode=args.mode, loss_fn=_LOSSES[args.loss], measure=args.measure)
+    if args.json:
+        rows = [
+            {
+                "kind": p.kind, "label": p.label, "segments": len(p.plan.segments),
+                "checkpointed": p.plan.checkpointed_segments, "predicted_peak_bytes": p.predicted_peak_bytes,
+                "predicted_step_ms": p.predicted_step_ms, "measured_peak_bytes": p.measured_peak_bytes,
+                "measured_step_ms": p.measured_step_ms,
+            }
+            for p in sweep.points
+        ]  # fmt: skip
+        print(json.dumps({"floor_bytes": sweep.floor_bytes, "points": rows}, indent=2))
+    else:
+        print(sweep)
+    args.out.mkdir(parents=True, exist_ok=True)
+    files = sweep.plot(args.out / "tradeoff")
+    print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)
+    return 0
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     import autockpt
 
@@ -265,6 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", parents=[common, planning], help="the plan auto_checkpoint would apply")
     p.add_argument("--explain", action="store_true", help="per segment: bytes kept and freed, recompute time")
     p.set_defaults(run=_cmd_plan)
+    p = sub.add_parser("tradeoff", parents=[common], help="peak and time of plans from the floor to none")
+    p.add_argument("--measure", action="store_true", help="also run every plan (peak and step time)")
+    p.add_argument("--out", type=Path, default=Path("."), help="where tradeoff.png and .svg go")
+    p.set_defaults(run=_cmd_tradeoff)
     p = sub.add_parser("verify", parents=[common, planning], help="gradients and peak vs the unwrapped model")
     p.add_argument("--atol", type=float, default=0.0)
     p.add_argument("--rtol", type=float, default=0.0)

@@ -95,6 +95,29 @@ def prepare(
     _check_arguments(segments, budget, example_inputs, example_kwargs, loss_fn, where)
     if isinstance(segments, Plan) and mode is None:
         mode = segments.walker  # a plan applies to the stages its walker found
+    walked, dry, chain = walk_and_dry_run(
+        model, example_inputs, example_kwargs, mode, where=where, previous=previous
+    )
+    costs = None
+    if budget is not None:
+        args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
+        costs = budget_costs(model, walked, chain, args, kwargs, budget, loss_fn=loss_fn, where=where)
+    plan = build_plan(chain, "budget" if budget is not None else segments, where=where,
+                      notes=walked.notes, budget=costs)  # fmt: skip
+    return walked, dry, chain, plan
+
+
+def walk_and_dry_run(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | None,
+    example_kwargs: dict[str, Any] | None,
+    mode: str | None,
+    *,
+    where: str,
+    previous: tuple[tuple[Unit, ...], DryRun | None] | None = None,
+) -> tuple[Walked, DryRun | None, Chain]:
+    """The walk, the dry run (with example inputs, else the one reused from ``previous``)
+    and the chain of stages they give."""
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     has_inputs = example_inputs is not None or bool(example_kwargs)
     none_args = none_pattern(model, args, kwargs) if has_inputs else None  # trace for this call
@@ -102,28 +125,33 @@ def prepare(
     dry = (
         dry_run(model, walked, args, kwargs, where=where) if has_inputs else reused_dry_run(walked, previous)
     )
-    chain = build_chain(walked.walker, walked.units, dry)
-    costs = None
-    if budget is not None:
-        prof = model_profile(
-            model, walked, chain, args, kwargs, loss_fn=loss_fn, where=where, repeats=PLANNING_REPEATS
-        )
-        assert prof.loss_bytes is not None
-        unwrapped = (
-            prof.static_bytes
-            + predict(
-                (Segment(0, len(prof.costs), False),), prof.costs, loss_bytes=prof.loss_bytes
-            ).peak_bytes
-        )
-        costs = BudgetCosts(
-            profile=prof,
-            budget_bytes=parse_budget(budget, unwrapped_bytes=unwrapped, where=where),
-            unwrapped_bytes=unwrapped,
-            loss_described="loss_fn" if loss_fn is not None else "default, a weighted sum of the outputs",
-        )
-    plan = build_plan(chain, "budget" if budget is not None else segments, where=where,
-                      notes=walked.notes, budget=costs)  # fmt: skip
-    return walked, dry, chain, plan
+    return walked, dry, build_chain(walked.walker, walked.units, dry)
+
+
+def budget_costs(
+    model: nn.Module,
+    walked: Walked,
+    chain: Chain,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    budget: int | float | str,
+    *,
+    loss_fn: LossFn | None,
+    where: str,
+) -> BudgetCosts:
+    """The profile (measured once per model, chain and input shapes) and the budget in bytes."""
+    prof = model_profile(
+        model, walked, chain, args, kwargs, loss_fn=loss_fn, where=where, repeats=PLANNING_REPEATS
+    )
+    assert prof.loss_bytes is not None
+    whole = (Segment(0, len(prof.costs), False),)
+    unwrapped = prof.static_bytes + predict(whole, prof.costs, loss_bytes=prof.loss_bytes).peak_bytes
+    return BudgetCosts(
+        profile=prof,
+        budget_bytes=parse_budget(budget, unwrapped_bytes=unwrapped, where=where),
+        unwrapped_bytes=unwrapped,
+        loss_described="loss_fn" if loss_fn is not None else "default, a weighted sum of the outputs",
+    )
 
 
 def _check_arguments(
@@ -357,6 +385,25 @@ def _budget_segments(
         "predicted_recompute_ms": prediction.recompute_ms,
     }
     return segs, extra
+
+
+def predict_plan(plan: Plan, prof: Profile) -> tuple[int, float]:
+    """A plan's predicted peak (parameters and inputs included) and recompute time, from a
+    profile of the same model and inputs (``autockpt.tradeoff`` compares any plans so)."""
+    if prof.stage_of is None:
+        if len(prof.costs) != plan.n_stages:
+            raise ValueError(
+                f"predict_plan: the plan has {plan.n_stages} stages, the profile {len(prof.costs)}."
+            )
+        segs = plan.segments
+    else:  # block walker: each profiled stage (a block, or code between blocks) gets its block's flag
+        flags = {i: seg.checkpoint for seg in plan.segments for i in range(seg.start, seg.stop)}
+        segs = tuple(
+            Segment(i, i + 1, block is not None and flags.get(block, False))
+            for i, block in enumerate(prof.stage_of)
+        )
+    prediction = predict(segs, prof.costs, loss_bytes=prof.loss_bytes)
+    return prof.static_bytes + prediction.peak_bytes, prediction.recompute_ms
 
 
 def describe_peak(at: tuple[int, int, str], names: Sequence[str]) -> str:
