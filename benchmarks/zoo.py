@@ -1241,7 +1241,20 @@ def table(records: list[dict[str, Any]], columns: Any) -> list[str]:
 
 def markdown(records: list[dict[str, Any]], s: dict[str, Any], line: str, meta: dict[str, Any]) -> str:
     commits = ", ".join(f"{c} ({n} models)" for c, n in s["autockpt_commits"].items())
-    out = ["# Model zoo: unwrapped vs autockpt", "", f"{meta['header']}; autockpt {commits}", ""]
+    out = [
+        "# Model zoo: unwrapped vs autockpt",
+        "",
+        "Every timm family (its smallest variant under 40M parameters), eleven Hugging Face "
+        "architectures from tiny configs (with padded batches), and torchvision's classification, "
+        "detection and segmentation models, one training step each in train mode, unwrapped and with "
+        "`auto_checkpoint(model, example_inputs=...)`. Made by `python benchmarks/zoo.py --docs "
+        "docs/zoo.md` (about an hour on 2 idle cores; `--only NAME` runs one family, `--resume` "
+        "goes on after an interruption). Inputs grow until the activations outweigh the parameters "
+        "1.5 times (NOTE [Zoo input size] in `benchmarks/zoo.py`).",
+        "",
+        f"{meta['header']}; autockpt {commits}",
+        "",
+    ]
     out += [f"**{line}**", ""]
     if s["wrong"]:
         out += [
