@@ -96,8 +96,10 @@ class Tradeoff:
 
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
-        except ImportError as err:  # pragma: no cover - matplotlib is in the bench and dev extras
-            raise ImportError("Tradeoff.figure needs matplotlib: pip install matplotlib") from err
+        except ImportError as err:  # matplotlib comes with the plot, bench and dev extras
+            raise ImportError(
+                "Tradeoff.figure needs matplotlib: pip install matplotlib (or autockpt[plot])"
+            ) from err
         mib = 2**20
         fig, ax = plt.subplots(figsize=(7, 4.5))
         measured = all(p.measured_peak_bytes is not None for p in self.points)
