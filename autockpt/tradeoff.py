@@ -101,7 +101,7 @@ class Tradeoff:
                 "Tradeoff.figure needs matplotlib: pip install matplotlib (or autockpt[plot])"
             ) from err
         mib = 2**20
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9.5, 4.5))
         measured = all(p.measured_peak_bytes is not None for p in self.points)
         for which, marker_style in (
             (("predicted", "-"), ("measured", ":")) if measured else (("predicted", "-"),)
@@ -126,7 +126,7 @@ class Tradeoff:
         ax.set_xlabel("peak memory of a training step (MiB)")
         ax.set_ylabel("step time (ms)")
         ax.set_title("autockpt: memory / time trade-off")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         return fig
 
