@@ -10,6 +10,7 @@ also runs real steps. ``Tradeoff.figure`` draws peak against time with the unwra
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import statistics
 import sys
@@ -236,18 +237,18 @@ def _step_times(
         for i in range(4):
             for p in model.parameters():
                 p.grad = None
-            sync(args)
+            _sync(args)
             t0 = time.perf_counter()
             out = model(*args, **(kwargs or {}))
             loss = loss_fn(out) if loss_fn is not None else default_loss(out)
             loss.backward()
-            sync(args)
+            _sync(args)
             if i:
                 times.append((time.perf_counter() - t0) * 1e3)
     return times
 
 
-def sync(args: Sequence[Any]) -> None:
+def _sync(args: Sequence[Any]) -> None:
     """Wait for the inputs' CUDA device, so that host timers see the work."""
     devices = {t.device for t in args if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
     for device in devices:
@@ -285,16 +286,6 @@ def _measured(
         twin = copy.deepcopy(model)
         apply_plan(twin, p.plan)
         peak = measure_step(twin, args, kwargs, loss_fn)
-        times = _step_times(twin, args, kwargs, loss_fn)
-        out.append(
-            TradeoffPoint(
-                p.kind,
-                p.label,
-                p.plan,
-                p.predicted_peak_bytes,
-                p.predicted_step_ms,
-                peak,
-                statistics.median(times),
-            )
-        )
+        step_ms = statistics.median(_step_times(twin, args, kwargs, loss_fn))
+        out.append(dataclasses.replace(p, measured_peak_bytes=peak, measured_step_ms=step_ms))
     return out
