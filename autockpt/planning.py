@@ -37,7 +37,7 @@ from autockpt.measure.profiling import Profile
 from autockpt.plan import Plan, Segment, StageFigures
 from autockpt.planners import Planner, PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import estimated_peak, uniform_plan
-from autockpt.planners.budget import predict
+from autockpt.planners.cost_model import predict
 from autockpt.tensors import as_args
 from autockpt.units import format_bytes, parse_budget
 from autockpt.walkers import Walked, walk
@@ -390,18 +390,10 @@ def _budget_segments(
 def predict_plan(plan: Plan, prof: Profile) -> tuple[int, float]:
     """A plan's predicted peak (parameters and inputs included) and recompute time, from a
     profile of the same model and inputs (``autockpt.tradeoff`` compares any plans so)."""
-    if prof.stage_of is None:
-        if len(prof.costs) != plan.n_stages:
-            raise ValueError(
-                f"predict_plan: the plan has {plan.n_stages} stages, the profile {len(prof.costs)}."
-            )
-        segs = plan.segments
-    else:  # block walker: each profiled stage (a block, or code between blocks) gets its block's flag
-        flags = {i: seg.checkpoint for seg in plan.segments for i in range(seg.start, seg.stop)}
-        segs = tuple(
-            Segment(i, i + 1, block is not None and flags.get(block, False))
-            for i, block in enumerate(prof.stage_of)
-        )
+    try:
+        segs = prof.segments_of(plan)
+    except ValueError as err:
+        raise ValueError(f"predict_plan: {err}") from None
     prediction = predict(segs, prof.costs, loss_bytes=prof.loss_bytes)
     return prof.static_bytes + prediction.peak_bytes, prediction.recompute_ms
 

@@ -53,7 +53,7 @@ from tqdm import tqdm
 import autockpt
 from autockpt.cli import budget_arg
 from autockpt.plan import Segment
-from autockpt.planners.budget import predict
+from autockpt.planners.cost_model import predict
 from autockpt.planning import describe_peak
 from autockpt.units import format_bytes
 

@@ -13,8 +13,9 @@ import random
 import time
 
 from autockpt.plan import Segment
-from autockpt.planners import PlanRequest, get_planner, run_planner
-from autockpt.planners.budget import StageCost, min_feasible_budget, predict
+from autockpt.planners import PlanRequest, StageCost, get_planner, run_planner
+from autockpt.planners.budget import min_feasible_budget
+from autockpt.planners.cost_model import predict
 
 
 def costs(n: int, seed: int = 0) -> tuple[StageCost, ...]:

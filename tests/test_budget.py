@@ -16,8 +16,9 @@ from torch import nn
 
 import autockpt
 from autockpt.plan import Segment
-from autockpt.planners import PlanRequest, get_planner, run_planner
-from autockpt.planners.budget import StageCost, _solve, min_feasible_budget, predict
+from autockpt.planners import PlanRequest, StageCost, get_planner, run_planner
+from autockpt.planners.budget import _solve, min_feasible_budget
+from autockpt.planners.cost_model import CostModel, predict
 
 MiB = 2**20
 
@@ -278,7 +279,7 @@ def test_infeasible_budget_through_the_api() -> None:
 def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> None:
     import random
 
-    from autockpt.planners.budget import _Model, _solve_dense, _solve_exact
+    from autockpt.planners.budget import _solve_dense, _solve_exact
 
     rng = random.Random(1)
     costs = tuple(
@@ -289,7 +290,7 @@ def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> N
     unwrapped = predict((Segment(0, 80, False),), costs).peak_bytes
     floor = min_feasible_budget(costs)
     budget = (floor + unwrapped) // 2
-    grid, exact = _solve_dense(_Model(costs), budget), _solve_exact(_Model(costs), budget)
+    grid, exact = _solve_dense(CostModel(costs), budget), _solve_exact(CostModel(costs), budget)
     assert grid is not None and exact is not None
     assert predict(grid, costs).peak_bytes <= budget
     assert (

@@ -22,7 +22,7 @@ import autockpt
 from autockpt.measure.step import measure_step
 from autockpt.plan import Segment
 from autockpt.planners import StageCost
-from autockpt.planners.budget import predict
+from autockpt.planners.cost_model import predict
 
 TOLERANCE = 0.02  # of the measured peak
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import autockpt
 from autockpt.plan import Plan, Segment
-from autockpt.planners import PlanRequest, get_planner, run_planner
+from autockpt.planners import PlanRequest, StageCost, get_planner, run_planner
 from autockpt.planners.basic import (
     _byte_sizes,
     balanced_sizes,
@@ -21,7 +21,8 @@ from autockpt.planners.basic import (
     sqrt_segment_count,
     uniform_plan,
 )
-from autockpt.planners.budget import StageCost, min_feasible_budget, predict
+from autockpt.planners.budget import min_feasible_budget
+from autockpt.planners.cost_model import predict
 
 
 def request(n: int) -> PlanRequest:

@@ -1,27 +1,11 @@
 """The ``"budget"`` planner: least recompute time whose predicted peak fits a byte budget.
 
-Cost model (per stage, measured by :func:`autockpt.profile`; see :class:`StageCost`). A
-single-level plan is a sequence of items, each a plain stage or a checkpointed segment
-whose recompute runs its stages plain. Every memory event of an item happens on top of
-``H``, the bytes held by the items before it (a plain stage holds what it saved, a
-checkpointed segment holds its input; a boundary tensor kept by both sides counts once),
-so
-
-    peak(plan) = max over items j of  H_j + local(item j)
-
-where ``local`` depends only on the item's span (its forward, and in backward its recompute
-plus the gradients of everything after it). Between forward and backward the loss runs
-on top of everything held: the output and the loss's working bytes (its intermediates and
-the output's gradient), which :func:`autockpt.profile` measures for the loss it is given
-(``loss_bytes``); without a measurement, two tensors the size of the output are assumed.
-The output itself stays alive through the backward, as a training loop's ``out`` variable
-keeps it (``out = model(x); loss_fn(out).backward()``); a step written as one expression
-frees it earlier and peaks up to one output lower than predicted.
-The chain's input is one of the static bytes (with parameters and buffers) that every
-budget includes, so the first item never counts it again.
-This makes the problem a shortest path over positions with the held bytes as a resource,
-in the spirit of Beaumont et al. 2019, "Optimal checkpointing for heterogeneous chains"
-(restricted here to one level of checkpoints; nested plans can still be given by hand).
+The figures are the cost model's (:mod:`autockpt.planners.cost_model`): a plan's peak is
+the largest of ``H_j + local(item j)`` over its items, ``H_j`` the bytes held by the items
+before item ``j``. This makes the problem a shortest path over positions with the held
+bytes as a resource, in the spirit of Beaumont et al. 2019, "Optimal checkpointing for
+heterogeneous chains" (restricted here to one level of checkpoints; nested plans can still
+be given by hand).
 
 Algorithm: dynamic programming over positions keeping, per position, the Pareto front of
 (held bytes, recompute time). Exact for up to 64 stages. Beyond that (when numpy is
@@ -36,22 +20,15 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from autockpt.errors import PlanInfeasibleError
 from autockpt.plan import Segment
+from autockpt.planners.cost_model import CostModel, predict
 from autockpt.planners.registry import PlanRequest, StageCost, register_planner
 from autockpt.units import format_bytes
 
-__all__ = [
-    "Prediction",
-    "StageCost",
-    "assumed_loss_bytes",
-    "budget_planner",
-    "min_feasible_budget",
-    "predict",
-]
+__all__ = ["budget_planner", "min_feasible_budget"]
 
 _EXACT_UP_TO = 64
 _RESOLUTION = 128
@@ -62,126 +39,11 @@ def _max_segment(n: int) -> int:
     return n if n <= _EXACT_UP_TO else max(16, 4 * math.isqrt(n))
 
 
-@dataclass(frozen=True)
-class Prediction:
-    """Predicted figures of a plan under the cost model.
-
-    ``peak_at`` says where the peak falls: ``(start, stop, phase)`` with phase
-    ``"forward"`` or ``"backward"`` of plain stage ``start``, ``"recompute"`` for the
-    recompute and backward of checkpointed segment ``[start, stop)``, or ``"loss"``
-    (between forward and backward, ``start == stop ==`` the number of stages).
-    """
-
-    peak_bytes: int
-    recompute_ms: float
-    peak_at: tuple[int, int, str] = (0, 0, "loss")
-
-
-def assumed_loss_bytes(costs: Sequence[StageCost]) -> int:
-    """The loss's working bytes when none were measured: one intermediate the size of the
-    output and the output's gradient (a weighted sum, an MSE against a target)."""
-    return 2 * costs[-1].out_bytes if costs else 0
-
-
-class _Model:
-    """The cost model. ``kept`` says whether the item before holds the current input
-    (a plain stage that keeps its output), so a boundary tensor is counted once."""
-
-    def __init__(
-        self, costs: Sequence[StageCost], loss_bytes: int | None = None, spans: Sequence[int] | None = None
-    ) -> None:
-        self.c = list(costs)
-        n = len(costs)
-        self.spans = list(spans) if spans is not None else None
-        self.grads_after = [sum(c.grad_bytes for c in costs[i + 1 :]) for i in range(n)]
-        self.loss_bytes = assumed_loss_bytes(costs) if loss_bytes is None else loss_bytes
-        # the output stays alive through the whole backward: a training loop's ``out``
-        # variable (``out = model(x); loss_fn(out).backward()``) still refers to it
-        self.out = costs[-1].out_bytes if costs else 0
-
-    def longest(self, s: int) -> int:
-        """One past the last stage a checkpointed segment starting at ``s`` may end at."""
-        span = (
-            _max_segment(len(self.c)) if self.spans is None else min(self.spans[s], _max_segment(len(self.c)))
-        )
-        return s + span
-
-    def loss(self, kept: bool) -> int:
-        """What the loss adds to everything held: the output, unless the last plain stage
-        holds it already, and the loss's working bytes."""
-        return self.out * (not kept) + self.loss_bytes
-
-    def held(self, i: int, kept: bool) -> int:
-        """What plain stage ``i`` holds until its backward."""
-        c = self.c[i]
-        return c.kept_bytes + c.out_bytes * c.keeps_output + c.in_bytes * (c.keeps_input and not kept)
-
-    def plain_local(self, i: int, kept: bool) -> int:
-        c = self.c[i]
-        fwd = c.in_bytes * (not kept) + c.fwd_peak_bytes
-        out = self.out * (not (i == len(self.c) - 1 and c.keeps_output))  # unless held already
-        bwd = self.held(i, kept) + c.out_bytes + c.bwd_peak_bytes + self.grads_after[i] + out
-        return max(fwd, bwd)
-
-    def checkpoint_locals(self, s: int, kept: bool) -> Iterator[tuple[int, float]]:
-        """``(local, recompute ms)`` of segments ``[s, t)`` for t = s+1, s+2, ...
-
-        Events of stage i inside the segment: its first forward (nothing saved), then its
-        recompute forward and backward on top of what stages s..i-1 saved again.
-        """
-        local, ms, before = 0, 0.0, 0
-        base = self.c[s].in_bytes * (not kept)
-        inner_kept = True  # the segment's input is held by the checkpoint
-        for i in range(s, len(self.c)):
-            c = self.c[i]
-            current = c.in_bytes if i > s else 0
-            first = base + current + c.fwd_peak_bytes
-            refwd = base + before + c.in_bytes * (not inner_kept) + c.fwd_peak_bytes + self.out
-            held = self.held(i, inner_kept)
-            rebwd = base + before + held + c.out_bytes + c.bwd_peak_bytes + self.grads_after[i] + self.out
-            local, ms = max(local, first, refwd, rebwd), ms + c.fwd_ms
-            before += held
-            inner_kept = c.keeps_output
-            yield local, ms
-
-    def checkpoint_held(self, s: int, kept: bool) -> int:
-        return self.c[s].in_bytes * (not kept)
-
-
-def predict(
-    segments: Sequence[Segment], costs: Sequence[StageCost], *, loss_bytes: int | None = None
-) -> Prediction:
-    """Peak bytes and recompute time of a single-level plan under the cost model.
-
-    ``loss_bytes`` is the loss's working bytes (:attr:`autockpt.Profile.loss_bytes`);
-    ``None`` assumes two tensors the size of the output. Nested segments are predicted as
-    if their checkpointed segment recomputed plainly (an upper bound on their peak).
-    """
-    model = _Model(costs, loss_bytes)
-    held, peak, recompute, kept = 0, 0, 0.0, True  # the chain's input is a static byte
-    at: tuple[int, int, str] = (0, 0, "loss")
-    for seg in segments:
-        if seg.checkpoint:
-            local, ms = next(
-                v for t, v in enumerate(model.checkpoint_locals(seg.start, kept), start=seg.start + 1)
-                if t == seg.stop
-            )  # fmt: skip
-            if held + local > peak:
-                peak, at = held + local, (seg.start, seg.stop, "recompute")
-            held += model.checkpoint_held(seg.start, kept)
-            recompute += ms
-            kept = False
-        else:
-            for i in range(seg.start, seg.stop):
-                local = model.plain_local(i, kept)
-                if held + local > peak:
-                    fwd = costs[i].in_bytes * (not kept) + costs[i].fwd_peak_bytes
-                    peak, at = held + local, (i, i + 1, "forward" if fwd == local else "backward")
-                held += model.held(i, kept)
-                kept = costs[i].keeps_output
-    if held + model.loss(kept) > peak:
-        peak, at = held + model.loss(kept), (len(costs), len(costs), "loss")
-    return Prediction(peak, recompute, at)
+def _longest(model: CostModel, s: int) -> int:
+    """One past the last stage a checkpointed segment starting at ``s`` may end at."""
+    n = len(model.c)
+    span = _max_segment(n) if model.spans is None else min(model.spans[s], _max_segment(n))
+    return s + span
 
 
 def _solve(
@@ -191,13 +53,13 @@ def _solve(
     spans: Sequence[int] | None = None,
 ) -> tuple[Segment, ...] | None:
     """Least-recompute single-level plan with predicted peak <= budget, or None."""
-    model = _Model(costs, loss_bytes, spans)
+    model = CostModel(costs, loss_bytes, spans)
     if len(costs) > _EXACT_UP_TO and importlib.util.find_spec("numpy") is not None:
         return _solve_dense(model, budget)
     return _solve_exact(model, budget)  # exact; slow on long chains without numpy
 
 
-def _solve_dense(model: _Model, budget: int) -> tuple[Segment, ...] | None:
+def _solve_dense(model: CostModel, budget: int) -> tuple[Segment, ...] | None:
     """The same DP on a grid of held bytes (rounded up), vectorised with numpy."""
     import numpy as np
 
@@ -242,7 +104,7 @@ def _solve_dense(model: _Model, budget: int) -> tuple[Segment, ...] | None:
                 shift = -(-model.held(s, bool(flag)) // quantum)
                 relax(flag, s, (budget - local) // quantum, shift, int(costs[s].keeps_output), s + 1, 0.0, 0)
             shift = -(-model.checkpoint_held(s, bool(flag)) // quantum)
-            longest = model.longest(s)
+            longest = _longest(model, s)
             for t, (local, ms) in enumerate(model.checkpoint_locals(s, bool(flag)), start=s + 1):
                 if lowest + local > budget or t > longest:
                     break
@@ -265,7 +127,7 @@ def _solve_dense(model: _Model, budget: int) -> tuple[Segment, ...] | None:
     return _merge_plain(segments[::-1])
 
 
-def _solve_exact(model: _Model, budget: int) -> tuple[Segment, ...] | None:
+def _solve_exact(model: CostModel, budget: int) -> tuple[Segment, ...] | None:
     """Pareto fronts of exact held bytes (small chains).
 
     The inner loops run ``len(costs)`` squared times the front sizes, so they are written for
@@ -292,7 +154,7 @@ def _solve_exact(model: _Model, budget: int) -> tuple[Segment, ...] | None:
                     break
                 _offer(target, held + held_plain, cost, s, kept, held, (s, s + 1, False))
             new_held = model.checkpoint_held(s, kept)
-            longest = model.longest(s)
+            longest = _longest(model, s)
             for t, (local, ms) in enumerate(model.checkpoint_locals(s, kept), start=s + 1):
                 if lowest + local > budget or t > longest:
                     break
@@ -391,7 +253,7 @@ def budget_planner(request: PlanRequest) -> tuple[Segment, ...]:
     if plan is None:
         floor = min_feasible_budget(request.costs, loss_bytes=request.loss_bytes, spans=spans)
         floor += request.static_bytes
-        model = _Model(request.costs, request.loss_bytes)
+        model = CostModel(request.costs, request.loss_bytes)
         worst = max(range(request.n_stages), key=lambda i: request.costs[i].bwd_peak_bytes)  # type: ignore[index]
         raise PlanInfeasibleError(
             f"budget planner: no plan fits budget={format_bytes(request.budget_bytes)}; the smallest "

@@ -1,0 +1,204 @@
+"""The cost model: what a single-level plan holds at every moment of a training step.
+
+Per stage, the figures are those :func:`autockpt.profile` measures (see :class:`StageCost`).
+A single-level plan is a sequence of items, each a plain stage or a checkpointed segment
+whose recompute runs its stages plain. Every memory event of an item happens on top of
+``H``, the bytes held by the items before it (a plain stage holds what it saved, a
+checkpointed segment holds its input; a boundary tensor kept by both sides counts once),
+so
+
+    peak(plan) = max over items j of  H_j + local(item j)
+
+where ``local`` depends only on the item's span (its forward, and in backward its recompute
+plus the gradients of everything after it). Between forward and backward the loss runs
+on top of everything held: the output and the loss's working bytes (its intermediates and
+the output's gradient), which :func:`autockpt.profile` measures for the loss it is given
+(``loss_bytes``); without a measurement, two tensors the size of the output are assumed.
+The output itself stays alive through the backward, as a training loop's ``out`` variable
+keeps it (``out = model(x); loss_fn(out).backward()``); a step written as one expression
+frees it earlier and peaks up to one output lower than predicted.
+The chain's input is one of the static bytes (with parameters and buffers) that every
+budget includes, so the first item never counts it again.
+
+:func:`memory_events` lists the events in the order a step runs them, each with its bytes
+and its time; :func:`predict` is their maximum and the recompute they add. The budget
+planner (:mod:`autockpt.planners.budget`) searches over plans with the same figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from autockpt.plan import Segment
+from autockpt.planners.registry import StageCost
+
+__all__ = ["CostModel", "MemoryEvent", "Prediction", "assumed_loss_bytes", "memory_events", "predict"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted figures of a plan under the cost model.
+
+    ``peak_at`` says where the peak falls: ``(start, stop, phase)`` with phase
+    ``"forward"`` or ``"backward"`` of plain stage ``start``, ``"recompute"`` for the
+    recompute and backward of checkpointed segment ``[start, stop)``, or ``"loss"``
+    (between forward and backward, ``start == stop ==`` the number of stages).
+    """
+
+    peak_bytes: int
+    recompute_ms: float
+    peak_at: tuple[int, int, str] = (0, 0, "loss")
+
+
+@dataclass(frozen=True)
+class MemoryEvent:
+    """One moment of a predicted step: a stage's forward, the loss, a recompute, a backward.
+
+    Attributes:
+        phase: ``"forward"`` (a plain stage, or a checkpointed one's first forward),
+            ``"loss"``, ``"recompute"`` (a checkpointed stage's forward run again in
+            backward) or ``"backward"``.
+        stage: the stage (the number of stages for the loss).
+        segment: ``(start, stop)`` of the checkpointed segment the stage is in, else ``None``.
+        bytes: the most the step holds during the event, static bytes excluded.
+        ms: how long the event takes (the profile's forward or backward time; the loss's
+            time is not profiled and counts as 0).
+    """
+
+    phase: str
+    stage: int
+    segment: tuple[int, int] | None
+    bytes: int
+    ms: float
+
+
+def assumed_loss_bytes(costs: Sequence[StageCost]) -> int:
+    """The loss's working bytes when none were measured: one intermediate the size of the
+    output and the output's gradient (a weighted sum, an MSE against a target)."""
+    return 2 * costs[-1].out_bytes if costs else 0
+
+
+class CostModel:
+    """The model's figures for one chain. ``kept`` says whether the item before holds the
+    current input (a plain stage that keeps its output), so a boundary tensor is counted
+    once. ``spans``: per stage, the most stages a checkpoint starting there may hold."""
+
+    def __init__(
+        self, costs: Sequence[StageCost], loss_bytes: int | None = None, spans: Sequence[int] | None = None
+    ) -> None:
+        self.c = list(costs)
+        n = len(costs)
+        self.spans = list(spans) if spans is not None else None
+        self.grads_after = [sum(c.grad_bytes for c in costs[i + 1 :]) for i in range(n)]
+        self.loss_bytes = assumed_loss_bytes(costs) if loss_bytes is None else loss_bytes
+        # the output stays alive through the whole backward: a training loop's ``out``
+        # variable (``out = model(x); loss_fn(out).backward()``) still refers to it
+        self.out = costs[-1].out_bytes if costs else 0
+
+    def loss(self, kept: bool) -> int:
+        """What the loss adds to everything held: the output, unless the last plain stage
+        holds it already, and the loss's working bytes."""
+        return self.out * (not kept) + self.loss_bytes
+
+    def held(self, i: int, kept: bool) -> int:
+        """What plain stage ``i`` holds until its backward."""
+        c = self.c[i]
+        return c.kept_bytes + c.out_bytes * c.keeps_output + c.in_bytes * (c.keeps_input and not kept)
+
+    def plain_events(self, i: int, kept: bool) -> tuple[int, int]:
+        """``(forward, backward)`` bytes of plain stage ``i`` above what the items before hold."""
+        c = self.c[i]
+        fwd = c.in_bytes * (not kept) + c.fwd_peak_bytes
+        out = self.out * (not (i == len(self.c) - 1 and c.keeps_output))  # unless held already
+        bwd = self.held(i, kept) + c.out_bytes + c.bwd_peak_bytes + self.grads_after[i] + out
+        return fwd, bwd
+
+    def plain_local(self, i: int, kept: bool) -> int:
+        return max(self.plain_events(i, kept))
+
+    def checkpoint_events(self, s: int, kept: bool) -> Iterator[tuple[int, int, int]]:
+        """``(first forward, recompute, backward)`` bytes of stage i = s, s+1, ... inside a
+        checkpointed segment starting at ``s``, above what the items before it hold.
+
+        Stage i's first forward saves nothing; its recompute forward and its backward run on
+        top of what stages s..i-1 saved again.
+        """
+        before = 0
+        base = self.c[s].in_bytes * (not kept)
+        inner_kept = True  # the segment's input is held by the checkpoint
+        for i in range(s, len(self.c)):
+            c = self.c[i]
+            current = c.in_bytes if i > s else 0
+            first = base + current + c.fwd_peak_bytes
+            refwd = base + before + c.in_bytes * (not inner_kept) + c.fwd_peak_bytes + self.out
+            held = self.held(i, inner_kept)
+            rebwd = base + before + held + c.out_bytes + c.bwd_peak_bytes + self.grads_after[i] + self.out
+            yield first, refwd, rebwd
+            before += held
+            inner_kept = c.keeps_output
+
+    def checkpoint_locals(self, s: int, kept: bool) -> Iterator[tuple[int, float]]:
+        """``(local, recompute ms)`` of segments ``[s, t)`` for t = s+1, s+2, ..."""
+        local, ms = 0, 0.0
+        for i, (first, refwd, rebwd) in enumerate(self.checkpoint_events(s, kept), start=s):
+            local, ms = max(local, first, refwd, rebwd), ms + self.c[i].fwd_ms
+            yield local, ms
+
+    def checkpoint_held(self, s: int, kept: bool) -> int:
+        return self.c[s].in_bytes * (not kept)
+
+
+def memory_events(
+    segments: Sequence[Segment], costs: Sequence[StageCost], *, loss_bytes: int | None = None
+) -> tuple[MemoryEvent, ...]:
+    """The events of one training step under a single-level plan, in the order they run:
+    forward item by item, the loss, backward item by item in reverse (a checkpointed
+    segment's recompute forwards, then its stages' backwards).
+
+    ``loss_bytes`` is the loss's working bytes (:attr:`autockpt.Profile.loss_bytes`);
+    ``None`` assumes two tensors the size of the output. Nested segments are taken as if
+    their checkpointed segment recomputed plainly (an upper bound on their peak).
+    """
+    model = CostModel(costs, loss_bytes)
+    forward: list[MemoryEvent] = []
+    backward: list[list[MemoryEvent]] = []  # per item, in the order the item runs them
+    held, kept = 0, True  # the chain's input is a static byte
+    for seg in segments:
+        if seg.checkpoint:
+            span = (seg.start, seg.stop)
+            stages = range(seg.start, seg.stop)
+            events = list(zip(stages, model.checkpoint_events(seg.start, kept)))
+            forward += [MemoryEvent("forward", i, span, held + e[0], costs[i].fwd_ms) for i, e in events]
+            item = [MemoryEvent("recompute", i, span, held + e[1], costs[i].fwd_ms) for i, e in events]
+            item += [MemoryEvent("backward", i, span, held + e[2], costs[i].bwd_ms) for i, e in events[::-1]]
+            backward.append(item)
+            held += model.checkpoint_held(seg.start, kept)
+            kept = False
+        else:
+            for i in range(seg.start, seg.stop):
+                fwd, bwd = model.plain_events(i, kept)
+                forward.append(MemoryEvent("forward", i, None, held + fwd, costs[i].fwd_ms))
+                backward.append([MemoryEvent("backward", i, None, held + bwd, costs[i].bwd_ms)])
+                held += model.held(i, kept)
+                kept = costs[i].keeps_output
+    loss = MemoryEvent("loss", len(costs), None, held + model.loss(kept), 0.0)
+    return (*forward, loss, *(e for item in reversed(backward) for e in item))
+
+
+def predict(
+    segments: Sequence[Segment], costs: Sequence[StageCost], *, loss_bytes: int | None = None
+) -> Prediction:
+    """Peak bytes and recompute time of a single-level plan under the cost model: the
+    largest of its :func:`memory_events` (the earliest stage's on a tie) and the time of
+    its recompute events."""
+    events = memory_events(segments, costs, loss_bytes=loss_bytes)
+    peak = max(events, key=lambda e: (e.bytes, -e.stage, e.phase == "forward"))
+    if peak.segment is not None:
+        at = (*peak.segment, "recompute")
+    elif peak.phase == "loss":
+        at = (len(costs), len(costs), "loss")
+    else:
+        at = (peak.stage, peak.stage + 1, peak.phase)
+    recompute = sum(e.ms for e in events if e.phase == "recompute")
+    return Prediction(peak.bytes, recompute, at)
