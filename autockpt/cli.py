@@ -4,6 +4,7 @@
     autockpt verify autockpt.models:NiN --input 16x3x32x32 --segments sqrt
     autockpt profile mypkg.nets:build --kwargs '{"depth": 12}' --input 4x256:int64 --json
     autockpt tradeoff autockpt.models:NiN --input 64x3x32x32 --measure --out plots
+    autockpt profile autockpt.models:NiN --input 64x3x32x32 --plot step --measure
     autockpt plan mypkg.nets:gpt --input 8x1024:int64 --device meta --budget 40GiB --loss cross-entropy
 
 Tables for people by default, ``--json`` for machines. Exit codes: 0 success, 1 when
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib
 import json
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -192,10 +194,68 @@ _LOSSES: dict[str, Callable[[Any], torch.Tensor] | None] = {
 def _cmd_profile(args: argparse.Namespace) -> int:
     import autockpt
 
+    if args.measure and args.plot is None:
+        raise CommandLineError("--measure draws measured curves beside the predicted ones; add --plot FILE.")
+    _check_measurable(args)
     model, inputs = _build(args)
-    prof = autockpt.profile(model, inputs, mode=args.mode, loss_fn=_LOSSES[args.loss], repeats=args.repeats)
-    print(prof.to_json() if args.json else prof)
+    with _snapshot(args):
+        prof = autockpt.profile(
+            model, inputs, mode=args.mode, loss_fn=_LOSSES[args.loss], repeats=args.repeats
+        )
+        print(prof.to_json() if args.json else prof)
+        if args.plot is not None:
+            _plot_timeline(args, model, inputs, prof)
     return 0
+
+
+def _plot_timeline(args: argparse.Namespace, model: nn.Module, inputs: tuple[Any, ...], prof: Any) -> None:
+    """``profile --plot``: the predicted timeline, unwrapped and with the plan the planning
+    options make; with ``--measure``, both measured beside them."""
+    import autockpt
+    from autockpt.timeline import measured_curve
+
+    plan = autockpt.make_plan(
+        model, _segments(args.segments), budget=budget_arg(args.budget), example_inputs=inputs,
+        mode=args.mode, loss_fn=_LOSSES[args.loss],
+    )  # fmt: skip
+    measured = []
+    if args.measure:
+        loss = _LOSSES[args.loss]
+        measured.append(measured_curve("unwrapped (measured)", model, inputs, loss_fn=loss))
+        wrapped = autockpt.auto_checkpoint(copy.deepcopy(model), plan)
+        measured.append(measured_curve(f"plan {plan.strategy} (measured)", wrapped, inputs, loss_fn=loss))
+    timeline = prof.timeline(plan, measured=measured)
+    print(timeline, file=sys.stderr)
+    files = timeline.plot(args.plot)
+    print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)
+
+
+def _check_measurable(args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    if device.type == "meta" and args.measure:
+        raise CommandLineError(
+            "--measure runs training steps, which the meta device cannot; use cpu or cuda."
+        )
+    if args.snapshot is not None and device.type != "cuda":
+        raise CommandLineError(
+            f"--snapshot writes a CUDA memory snapshot; it needs --device cuda, not {args.device!r}."
+        )
+
+
+@contextlib.contextmanager
+def _snapshot(args: argparse.Namespace) -> Iterator[None]:
+    """With ``--snapshot FILE``: record the CUDA allocator's history (with Python stacks)
+    through the command and dump it for PyTorch's memory viewer (pytorch.org/memory_viz)."""
+    if args.snapshot is None:
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        yield
+        torch.cuda.memory._dump_snapshot(str(args.snapshot))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    print(f"wrote {args.snapshot} (open it at https://pytorch.org/memory_viz)", file=sys.stderr)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -214,12 +274,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_tradeoff(args: argparse.Namespace) -> int:
     import autockpt
 
-    if torch.device(args.device).type == "meta" and args.measure:
-        raise CommandLineError(
-            "--measure runs training steps, which the meta device cannot; use cpu or cuda."
-        )
+    _check_measurable(args)
     model, inputs = _build(args)
-    sweep = autockpt.tradeoff(model, inputs, mode=args.mode, loss_fn=_LOSSES[args.loss], measure=args.measure)
+    with _snapshot(args):
+        sweep = autockpt.tradeoff(
+            model, inputs, mode=args.mode, loss_fn=_LOSSES[args.loss], measure=args.measure
+        )
     if args.json:
         rows = [
             {
@@ -288,13 +348,28 @@ def build_parser() -> argparse.ArgumentParser:
     planning = argparse.ArgumentParser(add_help=False)
     planning.add_argument("--segments", default="sqrt", help="'sqrt' (default), 'none' or a number")
     planning.add_argument("--budget", default=None, help="bytes, '2GiB', or a fraction such as 0.5")
-    p = sub.add_parser("profile", parents=[common], help="per-stage time and bytes of one training step")
+    snapshot = argparse.ArgumentParser(add_help=False)
+    snapshot.add_argument(
+        "--snapshot", type=Path, default=None, metavar="FILE",
+        help="CUDA only: dump the allocator's history through the command for PyTorch's memory viewer",
+    )  # fmt: skip
+    p = sub.add_parser(
+        "profile", parents=[common, planning, snapshot], help="per-stage time and bytes of one training step"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timing repeats per stage")
+    p.add_argument(
+        "--plot", type=Path, default=None, metavar="FILE",
+        help="draw memory through one step, unwrapped and with the plan --segments/--budget make "
+        "(FILE.png and FILE.svg)",
+    )  # fmt: skip
+    p.add_argument("--measure", action="store_true", help="with --plot: the measured curves beside them")
     p.set_defaults(run=_cmd_profile)
     p = sub.add_parser("plan", parents=[common, planning], help="the plan auto_checkpoint would apply")
     p.add_argument("--explain", action="store_true", help="per segment: bytes kept and freed, recompute time")
     p.set_defaults(run=_cmd_plan)
-    p = sub.add_parser("tradeoff", parents=[common], help="peak and time of plans from the floor to none")
+    p = sub.add_parser(
+        "tradeoff", parents=[common, snapshot], help="peak and time of plans from the floor to none"
+    )
     p.add_argument("--measure", action="store_true", help="also run every plan (peak and step time)")
     p.add_argument("--out", type=Path, default=Path("."), help="where tradeoff.png and .svg go")
     p.set_defaults(run=_cmd_tradeoff)

@@ -26,6 +26,7 @@ from torch import nn
 
 from autockpt.api import apply_plan
 from autockpt.errors import PlanInfeasibleError
+from autockpt.figures import pyplot, save
 from autockpt.measure.losses import LossFn, default_loss
 from autockpt.measure.step import measure_step
 from autockpt.plan import Plan
@@ -92,15 +93,7 @@ class Tradeoff:
 
     def figure(self) -> Any:
         """A matplotlib figure: peak (x) against step time (y), predicted (and measured)."""
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError as err:  # matplotlib comes with the plot, bench and dev extras
-            raise ImportError(
-                "Tradeoff.figure needs matplotlib: pip install matplotlib (or autockpt[plot])"
-            ) from err
+        plt = pyplot("Tradeoff.figure")
         mib = 2**20
         fig, ax = plt.subplots(figsize=(9.5, 4.5))
         measured = all(p.measured_peak_bytes is not None for p in self.points)
@@ -133,14 +126,7 @@ class Tradeoff:
 
     def plot(self, path: str | Path, formats: Iterable[str] = ("png", "svg")) -> list[Path]:
         """Save :meth:`figure` as ``path`` with each suffix in ``formats``; the files written."""
-        import matplotlib.pyplot as plt
-
-        fig = self.figure()
-        out = [Path(path).with_suffix(f".{fmt}") for fmt in formats]
-        for file in out:
-            fig.savefig(file, dpi=120)
-        plt.close(fig)
-        return out
+        return save(self.figure(), path, formats)
 
 
 def tradeoff(

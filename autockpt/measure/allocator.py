@@ -7,6 +7,8 @@ allocator's trace (``torch.cuda.memory._record_memory_history``), the same recor
 memory viewer draws. Sessions nest: a session opened inside another sees its own events, and
 the outer one sees them too. A :func:`AllocatorSession.mark` leaves a marker (``MARK``) in
 the list, so one session can be cut into windows (``autockpt.measure.memory.Windows``).
+Every delta comes with the time it happened (``AllocatorSession.times``), for a curve of
+memory through time (``autockpt.timeline``).
 
 Nothing here resets a statistic: ``torch.cuda.max_memory_allocated`` and
 ``reset_peak_memory_stats`` stay the caller's.
@@ -39,6 +41,7 @@ class AllocatorSession:
     def __init__(self, recorder: _Recorder) -> None:
         self.recorder = recorder
         self.deltas: list[int | None] = []
+        self.times: list[float] = []  # ms on the device's event clock, one per delta
 
     def mark(self) -> None:
         """Leave a marker in this session's deltas (and in those of enclosing sessions)."""
@@ -85,12 +88,14 @@ class _Recorder:
         Every change of nesting ends a recording interval, so all markers of an interval were
         left by the session innermost during it: only that session keeps them.
         """
-        deltas = self._end(final=final)
-        plain = [d for d in deltas if d is not MARK]
+        events = self._end(final=final)
+        plain = [e for e in events if e[1] is not MARK]
         for session in self.open[:-1]:
-            session.deltas.extend(plain)
+            session.deltas.extend(d for _, d in plain)
+            session.times.extend(t for t, _ in plain)
         if self.open:
-            self.open[-1].deltas.extend(deltas)
+            self.open[-1].deltas.extend(d for _, d in events)
+            self.open[-1].times.extend(t for t, _ in events)
 
     def mark(self) -> None:
         raise NotImplementedError
@@ -98,8 +103,8 @@ class _Recorder:
     def _begin(self) -> None:
         raise NotImplementedError
 
-    def _end(self, *, final: bool) -> list[int | None]:
-        """Stop recording; the deltas since :meth:`_begin`. ``final``: no session stays open."""
+    def _end(self, *, final: bool) -> list[tuple[float, int | None]]:
+        """Stop recording; ``(ms, delta)`` since :meth:`_begin`. ``final``: no session stays open."""
         raise NotImplementedError
 
 
@@ -136,7 +141,7 @@ class _CpuRecorder(_Recorder):
             _autograd._prepare_profiler(config, activities)
             _autograd._enable_profiler(config, activities)
 
-    def _end(self, *, final: bool) -> list[int | None]:
+    def _end(self, *, final: bool) -> list[tuple[float, int | None]]:
         from torch._C import _autograd
 
         with _quiet_stderr():
@@ -148,12 +153,12 @@ class _CpuRecorder(_Recorder):
             if e.name() == "[memory]" and e.device_type() == cpu
         ]
         events.sort(key=lambda e: e[0])  # stable: same-time events keep their recorded order
-        out: list[int | None] = []
-        for _, nbytes in events:
+        out: list[tuple[float, int | None]] = []
+        for ns, nbytes in events:
             if nbytes == _MARK_BYTES:
-                out.append(MARK)
+                out.append((ns / 1e6, MARK))
             elif nbytes != -_MARK_BYTES:
-                out.append(nbytes)
+                out.append((ns / 1e6, nbytes))
         return out
 
 
@@ -209,9 +214,12 @@ class _CudaRecorder(_Recorder):
         torch.cuda.synchronize(self.device)
         self._begun_at = len(self._trace())
 
-    def _end(self, *, final: bool) -> list[int | None]:
+    def _end(self, *, final: bool) -> list[tuple[float, int | None]]:
         torch.cuda.synchronize(self.device)
-        deltas = cuda_deltas(self._trace()[self._begun_at :], self._marks)
+        entries = [e for e in self._trace()[self._begun_at :] if e.get("action") in _COUNTED]
+        deltas = cuda_deltas(entries, self._marks)
+        # entries carry their time in microseconds where the torch version records it
+        times = [float(e.get("time_us", i)) / 1e3 for i, e in enumerate(entries)]
         if final:
             self._marks, self._live = set(), []
             cls = _CudaRecorder
@@ -219,7 +227,7 @@ class _CudaRecorder(_Recorder):
             if cls.open_sessions == 0 and cls.owns_history:
                 torch.cuda.memory._record_memory_history(enabled=None)
                 cls.owns_history = False
-        return deltas
+        return list(zip(times, deltas, strict=True))
 
 
 def cuda_deltas(entries: list[dict[str, Any]], marks: set[int]) -> list[int | None]:
@@ -238,6 +246,8 @@ def cuda_deltas(entries: list[dict[str, Any]], marks: set[int]) -> list[int | No
             out.append(-size)
     return out
 
+
+_COUNTED = ("alloc", "free_requested")  # the trace actions that change allocated bytes
 
 _RECORDERS: dict[str, _Recorder] = {}
 

@@ -23,7 +23,9 @@ from torch import nn
 from autockpt.chain import Chain
 from autockpt.measure.losses import LossFn, step_loss
 from autockpt.measure.memory import Windows
-from autockpt.planners.budget import StageCost
+from autockpt.plan import Plan, Segment
+from autockpt.planners import StageCost
+from autockpt.planners.cost_model import memory_events
 from autockpt.sandbox import dry_run_state
 from autockpt.tensors import (
     cloned,
@@ -34,6 +36,7 @@ from autockpt.tensors import (
     storage_sizes,
     tensors_in,
 )
+from autockpt.timeline import Curve, MemoryTimeline, predicted_curve
 from autockpt.units import format_bytes
 
 __all__ = ["Profile", "StageRun", "measure_loss", "measure_stage", "profile_chain"]
@@ -77,6 +80,44 @@ class Profile:
         if self.stage_of is None:
             return None
         return tuple(0 if block is None else 1 for block in self.stage_of)
+
+    def segments_of(self, plan: Plan) -> tuple[Segment, ...]:
+        """``plan``'s segments over the profiled stages: the plan's own for a chain, and for
+        the block walker one per profiled stage, a block checkpointed as its plan says.
+
+        Raises:
+            ValueError: the plan has another number of stages than this profile.
+        """
+        if self.stage_of is None:
+            if len(self.costs) != plan.n_stages:
+                raise ValueError(
+                    f"the plan has {plan.n_stages} stages, the profile {len(self.costs)}: plan and "
+                    "profile the same model with the same inputs and mode."
+                )
+            return plan.segments
+        flags = {i: seg.checkpoint for seg in plan.segments for i in range(seg.start, seg.stop)}
+        return tuple(
+            Segment(i, i + 1, block is not None and flags.get(block, False))
+            for i, block in enumerate(self.stage_of)
+        )
+
+    def timeline(self, plan: Plan | None = None, *, measured: Sequence[Curve] = ()) -> MemoryTimeline:
+        """Predicted memory through one training step, unwrapped and (given) with ``plan``,
+        plus any ``measured`` curves (:func:`autockpt.timeline.measured_curve`)."""
+        curves = []
+        plans: list[tuple[str, Sequence[Segment]]] = [("unwrapped", (Segment(0, len(self.costs), False),))]
+        if plan is not None:
+            plans.append((f"plan {plan.strategy}", self.segments_of(plan)))
+        for label, segments in plans:
+            events = memory_events(segments, self.costs, loss_bytes=self.loss_bytes)
+            curve = predicted_curve(f"{label} (predicted)", events, self.static_bytes, self.stage_names)
+            curves.append(curve)
+        return MemoryTimeline((*curves, *measured))
+
+    def plot(self, plan: Plan | None = None) -> Any:
+        """A matplotlib figure of :meth:`timeline`: memory through one step, unwrapped and
+        with ``plan``, each peak marked with where it falls (``.savefig`` it)."""
+        return self.timeline(plan).figure()
 
     def to_json(self) -> str:
         """The profile as JSON."""
