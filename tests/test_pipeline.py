@@ -39,8 +39,39 @@ def test_budgets_on_a_block_walked_model_with_keyword_inputs_hold_and_predict_we
         measured = measure_step(checkpointed, (idx,), kw)
         assert plan.budget_bytes is not None and plan.predicted_peak_bytes is not None
         assert measured <= plan.budget_bytes < unwrapped
-        # measured 1.03 and 1.06 of the prediction on this 1 MiB model (1.00-1.02 at 25 MiB)
+        # measured 1.016 and 1.012 of the prediction on this 1 MiB model (1.00-1.02 at 25 MiB)
         assert abs(measured / plan.predicted_peak_bytes - 1) < 0.1
+
+
+class LoopWithHead(nn.Module):
+    """Blocks in a data-dependent loop (block walker) and a head with a wide output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 64)) for _ in range(6)
+        )
+        self.head = nn.Linear(64, 2048)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x) if x.sum() > -1e9 else x
+        return self.head(x)
+
+
+def test_the_models_output_stays_alive_through_the_blocks_backward() -> None:
+    # the output (2 MiB) was counted among the bytes the last gap keeps, so it was freed
+    # with that gap's backward: a peak in a block's backward came out 16% low, 9% over budget
+    torch.manual_seed(0)
+    model, x = LoopWithHead(), torch.randn(256, 64)
+    prof = autockpt.profile(model, (x,))
+    assert prof.walker == "blocks" and prof.costs[-1].out_bytes > 0.95 * 256 * 2048 * 4
+    plan = autockpt.make_plan(model, budget=0.56, example_inputs=(x,))
+    assert plan.predicted_peak_bytes is not None and plan.budget_bytes is not None
+    assert "backward" in next(n for n in plan.notes if "the predicted peak falls in" in n)
+    measured = measure_step(autockpt.auto_checkpoint(copy.deepcopy(model), plan), (x,))
+    assert measured <= plan.budget_bytes
+    assert abs(measured / plan.predicted_peak_bytes - 1) < 0.01
 
 
 def test_a_budget_on_an_untraceable_model_with_positional_inputs_trains_exactly() -> None:
