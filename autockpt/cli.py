@@ -216,7 +216,7 @@ def _plot_timeline(args: argparse.Namespace, model: nn.Module, inputs: tuple[Any
 
     plan = autockpt.make_plan(
         model, _segments(args.segments), budget=budget_arg(args.budget), example_inputs=inputs,
-        mode=args.mode, loss_fn=_LOSSES[args.loss],
+        mode=args.mode, loss_fn=_loss_for_plan(args),
     )  # fmt: skip
     measured = []
     if args.measure:

@@ -140,6 +140,8 @@ def test_profile_plot_writes_the_pictures_and_names_each_peak(
             "--plot",
             str(tmp_path / "nin"),
             "--measure",
+            "--loss",  # the loss a measured curve runs; the plan (no budget) does not take it
+            "cross-entropy",
         ]
     )
     err = capsys.readouterr().err
