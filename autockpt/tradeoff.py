@@ -206,7 +206,7 @@ def tradeoff(
         except PlanInfeasibleError:
             continue
         points.append(point("budget", f"budget {format_bytes(plan.budget_bytes or 0)}", plan))
-    # the planner's floor comes from a bisection (within 0.1%); a plan at it shows the exact one
+    # beyond 64 stages the floor comes from a bisection (within 0.1%); a plan at it shows it exactly
     floor = min([floor, *(p.predicted_peak_bytes for p in points if p.kind == "budget")])
     if measure:
         points = _measured(model, points, args, example_kwargs, loss_fn, progress)

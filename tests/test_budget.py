@@ -91,7 +91,22 @@ def test_more_budget_never_means_more_recompute_and_plans_are_deterministic(
 def test_min_feasible_budget_is_feasible_and_tight(costs: tuple[StageCost, ...]) -> None:
     floor = min_feasible_budget(costs)
     assert _solve(costs, floor) is not None
-    assert _solve(costs, int(floor * 0.99) - 1) is None
+    assert _solve(costs, floor - 1) is None
+
+
+@given(stage_costs(), st.none() | st.integers(0, 100_000), st.data())
+def test_the_floor_is_the_lowest_peak_of_any_plan(
+    costs: tuple[StageCost, ...], loss: int | None, data: st.DataObject
+) -> None:
+    n = len(costs)
+    spans = data.draw(st.none() | st.lists(st.integers(0, n), min_size=n, max_size=n))
+    allowed = [
+        p for p in all_single_level_plans(n)
+        if spans is None or all(len(seg) <= spans[seg.start] for seg in p if seg.checkpoint)
+    ]  # fmt: skip
+    lowest = min(predict(p, costs, loss_bytes=loss).peak_bytes for p in allowed)
+    assert min_feasible_budget(costs, loss_bytes=loss, spans=spans) == lowest
+    assert _solve(costs, lowest, loss, spans) is not None and _solve(costs, lowest - 1, loss, spans) is None
 
 
 def test_infeasible_budget_names_the_floor_and_the_stage() -> None:

@@ -223,7 +223,14 @@ def _merge_plain(segments: list[Segment]) -> tuple[Segment, ...]:
 def min_feasible_budget(
     costs: Sequence[StageCost], *, loss_bytes: int | None = None, spans: Sequence[int] | None = None
 ) -> int:
-    """The smallest budget any single-level plan fits, by bisection on the planner."""
+    """The smallest budget any single-level plan fits (the planner's floor).
+
+    Up to 64 stages it is exact and found directly (:func:`_min_peak_exact`); beyond that,
+    by bisection on the planner, to within 0.1% and rounded up.
+    """
+    model = CostModel(costs, loss_bytes, spans)
+    if len(costs) <= _EXACT_UP_TO or importlib.util.find_spec("numpy") is None:
+        return _min_peak_exact(model)
     lo, hi = 0, predict((Segment(0, len(costs), False),), costs, loss_bytes=loss_bytes).peak_bytes
     while hi - lo > max(1, hi // 1000):
         mid = (lo + hi) // 2
@@ -232,6 +239,56 @@ def min_feasible_budget(
         else:
             hi = mid
     return hi
+
+
+def _min_peak_exact(model: CostModel) -> int:
+    """The lowest predicted peak of any single-level plan, in one pass.
+
+    The same walk over positions as :func:`_solve_exact`, with the peak so far in place of
+    the recompute time: per position, the Pareto front of (held bytes, peak so far). A point
+    that holds more and has peaked no lower than another can never end lower, since every
+    later event adds to what is held. (It replaced a bisection that ran the planner about
+    twelve times to name the floor of an infeasible budget.)
+    """
+    costs = model.c
+    n = len(costs)
+    front: dict[tuple[int, bool], dict[int, int]] = {(i, k): {} for i in range(n + 1) for k in (False, True)}
+    front[(0, True)][0] = 0  # the chain's input is a static byte
+
+    def offer(target: dict[int, int], held: int, peak: int) -> None:
+        if peak < target.get(held, peak + 1):
+            target[held] = peak
+
+    for s in range(n):
+        for kept in (False, True):
+            points = list(front[(s, kept)].items())
+            if not points:
+                continue
+            plain, held_plain = model.plain_local(s, kept), model.held(s, kept)
+            target = front[(s + 1, costs[s].keeps_output)]
+            for held, peak in points:
+                offer(target, held + held_plain, max(peak, held + plain))
+            new_held = model.checkpoint_held(s, kept)
+            longest = _longest(model, s)
+            for t, (local, _) in enumerate(model.checkpoint_locals(s, kept), start=s + 1):
+                if t > longest:
+                    break
+                target = front[(t, False)]
+                for held, peak in points:
+                    offer(target, held + new_held, max(peak, held + local))
+        for flag in (False, True):
+            points_at = front[(s + 1, flag)]
+            lowest = None
+            for held in sorted(points_at):
+                if lowest is not None and points_at[held] >= lowest:
+                    del points_at[held]
+                else:
+                    lowest = points_at[held]
+    return min(
+        max(peak, held + model.loss(flag))
+        for flag in (False, True)
+        for held, peak in front[(n, flag)].items()
+    )
 
 
 def budget_planner(request: PlanRequest) -> tuple[Segment, ...]:
