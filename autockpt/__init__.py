@@ -12,6 +12,7 @@ from autockpt.api import auto_checkpoint, make_plan, restore
 from autockpt.compile_check import GraphBreak, find_graph_breaks
 from autockpt.errors import AutockptError, MutationError, PlanInfeasibleError
 from autockpt.execution.debug import RecomputeMismatchError
+from autockpt.execution.policies import available_policies, register_policy
 from autockpt.measure.memory import MemoryStats, track_memory
 from autockpt.measure.model_profile import profile
 from autockpt.measure.profiling import Profile
@@ -39,12 +40,14 @@ __all__ = [
     "VerifyReport",
     "auto_checkpoint",
     "available_planners",
+    "available_policies",
     "find_graph_breaks",
     "is_recomputing",
     "make_plan",
     "models",
     "profile",
     "register_planner",
+    "register_policy",
     "restore",
     "track_memory",
     "tradeoff",

@@ -21,6 +21,7 @@ from torch import nn
 from autockpt.chain import chain_from_names
 from autockpt.errors import AutockptError, PlanInfeasibleError
 from autockpt.execution.forward import CheckpointedForward, install, installed, uninstall
+from autockpt.execution.policies import OpPolicy, resolve_policy
 from autockpt.measure.losses import LossFn
 from autockpt.measure.step import measure_step
 from autockpt.plan import Plan, set_applier
@@ -43,6 +44,7 @@ def auto_checkpoint(
     loss_fn: LossFn | None = None,
     check: bool = False,
     debug: bool = False,
+    policy: str | OpPolicy | None = None,
 ) -> nn.Module:
     """Checkpoint ``model`` in place so training keeps fewer activations alive.
 
@@ -86,6 +88,16 @@ def auto_checkpoint(
             costs a Python dispatch and a digest per op, and a device sync per recomputed
             op on CUDA. Without it a stage whose output shape, dtype or device differs in
             the recompute still raises that error, naming the segment and the stage.
+        policy: inside each checkpointed segment, which ops' outputs are kept instead of
+            recomputed: ``"recompute-all"`` (the default: none), ``"save-matmuls"``
+            (matmuls, linear layers, convolutions, attention), ``"save-compute"`` (those,
+            norms, softmax and pooling), a name registered with
+            :func:`autockpt.register_policy`, or a function ``op -> bool`` called with each
+            ``torch._ops.OpOverload``. Kept outputs stay alive until the segment's
+            backward: less recompute, more memory. The first forward of each segment keeps
+            nothing while it learns which outputs later ops change in place (NOTE [Kept
+            outputs changed in place] in ``execution/policies.py``); under
+            ``torch.compile`` the policy is not applied.
 
     Returns:
         ``model`` itself.
@@ -105,15 +117,24 @@ def auto_checkpoint(
     _check_module(model, "auto_checkpoint")
     _check_debug(debug, "auto_checkpoint")
     if (inner := _compiled_inner(model)) is not None:
+        if _policy(policy, segments, "auto_checkpoint")[1] is not None:
+            warnings.warn(
+                f"auto_checkpoint: policy={policy!r} is not applied under torch.compile, which "
+                "recomputes whole segments; its own activation_memory_budget chooses ops there.",
+                UserWarning,
+                stacklevel=2,
+            )
         auto_checkpoint(inner, segments, budget=budget, example_inputs=example_inputs,
                         example_kwargs=example_kwargs, mode=mode, loss_fn=loss_fn, check=check,
-                        debug=debug)  # fmt: skip
+                        debug=debug, policy=policy)  # fmt: skip
         return model
+    name, fn = _policy(policy, segments, "auto_checkpoint")
     walked, probe, chain, plan = prepare(
         model, segments, budget, example_inputs, example_kwargs, mode,
-        where="auto_checkpoint", loss_fn=loss_fn, previous=_previous(model),
+        where="auto_checkpoint", loss_fn=loss_fn, previous=_previous(model), policy=name,
     )  # fmt: skip
-    install(model, walked, chain, plan, plan if budget is not None else segments, probe, debug=debug)
+    spec = plan if budget is not None else segments
+    install(model, walked, chain, plan, spec, probe, debug=debug, policy_fn=fn)
     if check and budget is not None:
         _keep_the_promise(model, example_inputs, example_kwargs, mode, loss_fn)
     return model
@@ -139,11 +160,12 @@ def _keep_the_promise(
             break
         try:
             _, probe, chain, plan = prepare(
-                model, "sqrt", limit, args, kwargs, mode, where="auto_checkpoint", loss_fn=loss_fn
-            )
+                model, "sqrt", limit, args, kwargs, mode, where="auto_checkpoint", loss_fn=loss_fn,
+                policy=fwd.plan.policy,
+            )  # fmt: skip
         except PlanInfeasibleError:
             break
-        install(model, fwd.walked, chain, plan, plan, probe, debug=fwd.debug)
+        install(model, fwd.walked, chain, plan, plan, probe, debug=fwd.debug, policy_fn=fwd.policy_fn)
         fwd = _installed_or_fail(model)
         measured = measure_step(model, args, kwargs, loss_fn)
     note = f"measured peak {format_bytes(measured)} for budget {format_bytes(target)}"
@@ -164,6 +186,7 @@ def make_plan(
     example_kwargs: dict[str, Any] | None = None,
     mode: str | None = None,
     loss_fn: LossFn | None = None,
+    policy: str | OpPolicy | None = None,
 ) -> Plan:
     """The plan ``auto_checkpoint(model, segments, ...)`` would apply, without applying it.
 
@@ -179,9 +202,10 @@ def make_plan(
     """
     _check_module(model, "make_plan")
     model = _compiled_inner(model) or model
+    name, _ = _policy(policy, segments, "make_plan")
     return prepare(
         model, segments, budget, example_inputs, example_kwargs, mode,
-        where="make_plan", loss_fn=loss_fn, previous=_previous(model),
+        where="make_plan", loss_fn=loss_fn, previous=_previous(model), policy=name,
     )[3]  # fmt: skip
 
 
@@ -190,10 +214,25 @@ def apply_plan(model: nn.Module, plan: Plan, *, debug: bool = False) -> nn.Modul
     as for :func:`auto_checkpoint`."""
     _check_module(model, "Plan.apply")
     _check_debug(debug, "Plan.apply")
+    _, fn = _policy(None, plan, "Plan.apply")
     walked = walk(model, plan.walker, where="Plan.apply")
     chain = chain_from_names(plan.walker, walked.units, plan.stage_names)
-    install(model, walked, chain, plan, plan, reused_dry_run(walked, _previous(model)), debug=debug)
+    install(
+        model, walked, chain, plan, plan, reused_dry_run(walked, _previous(model)), debug=debug, policy_fn=fn
+    )
     return model
+
+
+def _policy(policy: str | OpPolicy | None, segments: SegmentsSpec, where: str) -> tuple[str, OpPolicy | None]:
+    """The op policy's name and function: ``policy`` if given, else a given Plan's own."""
+    if policy is not None or not isinstance(segments, Plan):
+        return resolve_policy(policy, where=where)
+    if segments.policy.startswith("callable "):
+        raise AutockptError(
+            f"{where}: the plan was made with the policy function {segments.policy[9:]!r}, which a plan "
+            "cannot carry; pass it again as policy=..., or register it with autockpt.register_policy."
+        )
+    return resolve_policy(segments.policy, where=where)
 
 
 def restore(model: nn.Module) -> nn.Module:

@@ -137,6 +137,10 @@ class Plan:
         predicted_recompute_ms: recompute time the planner predicted, when it had costs.
         notes: remarks for the reader (fused stages, fallbacks, warnings).
         budget_bytes: the memory budget the plan was made for, if any.
+        stage_figures: per stage, the bytes (and times) :meth:`explain` shows, if measured.
+        policy: inside checkpointed segments, which ops' outputs are kept rather than
+            recomputed: ``"recompute-all"`` (none), or a policy name (see
+            ``autockpt.available_policies``).
 
     Examples:
         >>> plan = Plan("2", "sequential", ("0", "1", "2"), ("Linear", "Tanh", "Linear"),
@@ -157,6 +161,7 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     budget_bytes: int | None = None
     stage_figures: tuple[StageFigures, ...] | None = None
+    policy: str = "recompute-all"
 
     def __post_init__(self) -> None:
         if len(self.stage_kinds) != len(self.stage_names):
@@ -208,6 +213,7 @@ class Plan:
             "notes": list(self.notes),
             "budget_bytes": self.budget_bytes,
             "stage_figures": None if self.stage_figures is None else [vars(f) for f in self.stage_figures],
+            "policy": self.policy,
         }
         return json.dumps(data, indent=2)
 
@@ -237,6 +243,7 @@ class Plan:
             stage_figures=None
             if data.get("stage_figures") is None
             else tuple(StageFigures(**f) for f in data["stage_figures"]),
+            policy=str(data.get("policy", "recompute-all")),
         )
 
     def explain(self) -> str:
@@ -249,6 +256,11 @@ class Plan:
             f"autockpt plan ({self.strategy!r}, {self.walker} walker): {self.n_stages} stages in "
             f"{len(self.segments)} segments, {self.checkpointed_segments} checkpointed"
         ]
+        if self.policy != "recompute-all":
+            lines.append(
+                f"policy {self.policy!r}: checkpointed segments keep the outputs of the ops it names "
+                "and recompute only the rest"
+            )
         kept = freed = 0
         times: list[float | None] = []
         for i, seg in enumerate(self.segments):
@@ -299,6 +311,8 @@ class Plan:
             f"{self.n_stages} stages in {len(self.segments)} segments, "
             f"{self.checkpointed_segments} checkpointed"
         )
+        if self.policy != "recompute-all":
+            head += f", policy={self.policy!r}"
         rows = [("segment", "stages", "recomputed", "modules")]
         for i, seg in enumerate(self.segments):
             rows.extend(_rows(self, seg, str(i), ""))

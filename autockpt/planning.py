@@ -86,11 +86,13 @@ def prepare(
     where: str,
     loss_fn: LossFn | None = None,
     previous: tuple[tuple[Unit, ...], DryRun | None] | None = None,
+    policy: str | None = None,
 ) -> tuple[Walked, DryRun | None, Chain, Plan]:
     """Walk, dry-run, profile when a budget asks for it, and plan.
 
     ``previous`` is the units and dry run of the plan installed now, reused when the walk
-    finds the same units and no example inputs are given.
+    finds the same units and no example inputs are given. ``policy`` names the op policy the
+    plan carries (a given Plan keeps its own when it is ``None``).
     """
     _check_arguments(segments, budget, example_inputs, example_kwargs, loss_fn, where)
     if isinstance(segments, Plan) and mode is None:
@@ -104,6 +106,8 @@ def prepare(
         costs = budget_costs(model, walked, chain, args, kwargs, budget, loss_fn=loss_fn, where=where)
     plan = build_plan(chain, "budget" if budget is not None else segments, where=where,
                       notes=walked.notes, budget=costs)  # fmt: skip
+    if policy is not None and policy != plan.policy:
+        plan = dataclasses.replace(plan, policy=policy)
     return walked, dry, chain, plan
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "storage_key",
     "storage_sizes",
     "tensors_in",
+    "written_storages",
 ]
 
 
@@ -53,6 +54,20 @@ def storage_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[int] = ()) 
 def storage_sizes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     """Bytes of each distinct storage behind ``tensors``, by :func:`storage_key`."""
     return {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
+
+
+def written_storages(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
+    """Storage keys an op writes into: those of its arguments the schema marks as mutable
+    (``x.add_(y)``'s ``x``, ``out=`` tensors)."""
+    out = []
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                out.append(storage_key(t))
+    return out
 
 
 def static_bytes(model: nn.Module, inputs: Any) -> int:

@@ -19,6 +19,7 @@ from torch import nn
 from autockpt.api import auto_checkpoint
 from autockpt.errors import AutockptError
 from autockpt.execution.forward import installed, uninstall
+from autockpt.execution.policies import OpPolicy
 from autockpt.measure.losses import LossFn
 from autockpt.measure.step import StepResult, run_step
 from autockpt.plan import Plan
@@ -106,6 +107,7 @@ def verify(
     loss_fn: LossFn | None = None,
     atol: float = 0.0,
     rtol: float = 0.0,
+    policy: str | OpPolicy | None = None,
 ) -> VerifyReport:
     """Compare one training step of ``model`` with and without checkpointing.
 
@@ -122,6 +124,9 @@ def verify(
         loss_fn: the loss you train with (output -> scalar); it also sets the measured peaks.
         atol: absolute tolerance (0: bitwise, as expected on CPU).
         rtol: relative tolerance.
+        policy: the op policy to check (see :func:`auto_checkpoint`); by default the
+            installed plan's. Under a policy the checkpointed model first runs one step
+            unmeasured: a segment's first forward keeps nothing while it learns.
 
     Returns:
         a :class:`VerifyReport`; ``report.ok`` tells whether everything matched.
@@ -135,17 +140,22 @@ def verify(
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     current = installed(model)
     spec: SegmentsSpec = segments if segments is not None else (current.plan if current else "sqrt")
+    if policy is None and segments is None and current is not None and current.policy_fn is not None:
+        policy = current.policy_fn  # the installed plan's, which may be a function
     with preserved(model, [list(args), kwargs]) as fresh:
         uninstall(model)
         fresh()
         run_step(model, args, kwargs, loss_fn)  # warm-up: lazy initialisation stays out of the figures
         fresh()
         reference = run_step(model, args, kwargs, loss_fn)
-        auto_checkpoint(model, spec, example_inputs=args, example_kwargs=kwargs)
+        auto_checkpoint(model, spec, example_inputs=args, example_kwargs=kwargs, policy=policy)
         checked = installed(model)
         if checked is None:  # auto_checkpoint always installs a plan
             raise AutockptError("verify: auto_checkpoint installed no plan; please report this.")
         plan = checked.plan
+        if checked.policy_fn is not None:  # the segments learn in their first forward
+            fresh()
+            run_step(model, args, kwargs, loss_fn)
         fresh()
         checkpointed = run_step(model, args, kwargs, loss_fn)
     return _compare(plan, reference, checkpointed, atol, rtol)

@@ -351,14 +351,16 @@ BUDGET_EXAMPLES = settings(max_examples=max(8, settings.default.max_examples // 
 @GRAPH_EXAMPLES
 @given(random_graphs(), st.data())
 def test_random_graph_models_train_exactly(arch: tuple[RandomGraph, list[Hook]], data: st.DataObject) -> None:
-    """Any segment count, with or without example inputs, hooks added before or after wrapping."""
+    """Any segment count and op policy, with or without example inputs, hooks added before or
+    after wrapping."""
     hooks_first, with_inputs = data.draw(st.booleans()), data.draw(st.booleans())
     ref, model, x, logs = prepared(arch, hooks_first)
     example = {"example_inputs": (x,)} if with_inputs else {}
     with expected_warnings():
         n = autockpt.make_plan(model, "none", **example).n_stages
         segments = data.draw(st.one_of(st.integers(2, n), st.just("sqrt")) if n >= 2 else st.just("none"))
-        autockpt.auto_checkpoint(model, segments, **example)
+        policy = data.draw(st.sampled_from(["recompute-all", "save-matmuls", "save-compute"]))
+        autockpt.auto_checkpoint(model, segments, policy=policy, **example)
         assert model.forward.plan.walker == "graph", model.forward.plan
         if not hooks_first:
             add_hooks(model, arch[1], logs[1])

@@ -3,7 +3,8 @@
 Architectures are drawn from Linear, Conv2d, BatchNorm1d/2d, LayerNorm, Dropout,
 ReLU (in place or not), GELU, MaxPool2d, AvgPool2d and Flatten, with nested Sequentials and
 reused instances, in float64. Outputs, input and parameter gradients and BatchNorm buffers
-must be bitwise equal after 3 training steps, and so must the RNG stream. Run with
+must be bitwise equal after 3 training steps, and so must the RNG stream, under every
+built-in op policy. Run with
 ``AUTOCKPT_HYPOTHESIS_PROFILE=thorough`` for many more examples.
 """
 
@@ -21,6 +22,7 @@ from torch import nn
 import autockpt
 
 D = torch.float64
+POLICIES = ["recompute-all", "save-matmuls", "save-compute"]  # the first step of a policy learns
 
 
 @st.composite
@@ -131,8 +133,9 @@ def test_random_sequentials_train_exactly_like_the_original(
     model, shape = arch
     n = autockpt.make_plan(model, "none").n_stages
     segments = data.draw(st.one_of(st.integers(2, n), st.just("sqrt")) if n >= 2 else st.just("none"))
+    policy = data.draw(st.sampled_from(POLICIES))
     ref = copy.deepcopy(model)
-    autockpt.auto_checkpoint(model, segments)
+    autockpt.auto_checkpoint(model, segments, policy=policy)
     # The first forward's dry run may fuse more stages than the static view saw; autockpt then
     # warns (fewer segments, or nothing left to checkpoint). Those warnings are expected here.
     warnings.simplefilter("ignore", UserWarning)

@@ -12,6 +12,7 @@ NOTE [The one-time dry run]
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import warnings
@@ -24,6 +25,7 @@ from torch import nn
 from autockpt.chain import Chain, DryRun, Unit, build_chain
 from autockpt.errors import AutockptError
 from autockpt.execution.caches import without_caches
+from autockpt.execution.policies import OpPolicy
 from autockpt.execution.runtime import SegmentRuntime, build_runtime, run_segments
 from autockpt.measure.dry_run import probe_units
 from autockpt.plan import Plan
@@ -72,6 +74,7 @@ class CheckpointedForward:
 
     _autockpt_forward = True
     debug = False  # check every op of each recompute (also for objects pickled before it existed)
+    policy_fn: OpPolicy | None = None
 
     def __init__(
         self,
@@ -83,9 +86,11 @@ class CheckpointedForward:
         probe: DryRun | None,
         original_forward: Callable[..., Any] | None,
         debug: bool = False,
+        policy_fn: OpPolicy | None = None,
     ) -> None:
         self.model = model
         self.debug = debug
+        self.policy_fn = policy_fn  # the function behind plan.policy (execution/policies.py)
         self.walked = walked
         self.plan = plan
         self.spec = spec
@@ -105,7 +110,9 @@ class CheckpointedForward:
     def _bind(self, chain: Chain) -> None:
         """Build the runtime for the current plan; for blocks, install their forwards."""
         self.remove_blocks()
-        self.runtime = build_runtime(self.plan.segments, chain.stages, debug=self.debug)
+        self.runtime = build_runtime(
+            self.plan.segments, chain.stages, debug=self.debug, policy=(self.plan.policy, self.policy_fn)
+        )
         for rt, call in self._block_runtimes():
             call.block.__dict__["forward"] = BlockForward(rt, call)
 
@@ -207,7 +214,8 @@ class CheckpointedForward:
                 stacklevel=4,
             )
             spec = self.spec = "sqrt"
-        self.plan = build_plan(chain, _respec(spec, len(chain.stages)), where="auto_checkpoint")
+        plan = build_plan(chain, _respec(spec, len(chain.stages)), where="auto_checkpoint")
+        self.plan = dataclasses.replace(plan, policy=self.plan.policy)
         self._bind(chain)
 
     def _dry_run(self, x: Any) -> None:
@@ -237,6 +245,7 @@ class CheckpointedForward:
             )
             spec = n
         plan = build_plan(chain, spec, where="auto_checkpoint", notes=self.walked.notes)
+        plan = dataclasses.replace(plan, policy=self.plan.policy)
         if plan != self.plan:
             logger.info("autockpt: re-planned %r after the dry run", spec)
             self.plan = plan
@@ -288,13 +297,17 @@ def install(
     probe: DryRun | None,
     *,
     debug: bool = False,
+    policy_fn: OpPolicy | None = None,
 ) -> None:
     """Install a :class:`CheckpointedForward` for ``plan`` on ``model``, replacing any earlier one.
 
-    ``debug`` compares every op of each recompute with the forward (``auto_checkpoint(debug=)``).
+    ``debug`` compares every op of each recompute with the forward (``auto_checkpoint(debug=)``);
+    ``policy_fn`` is the function of ``plan.policy``.
     """
     previous = installed(model)
     if previous is not None:
         previous.remove_blocks()
     original = previous.original_forward if previous is not None else model.__dict__.get("forward")
-    model.__dict__["forward"] = CheckpointedForward(model, walked, chain, plan, spec, probe, original, debug)
+    model.__dict__["forward"] = CheckpointedForward(
+        model, walked, chain, plan, spec, probe, original, debug, policy_fn
+    )

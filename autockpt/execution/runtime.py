@@ -79,11 +79,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import noop_context_fn
 
 from autockpt.chain import Stage, Unit
 from autockpt.errors import MutationError
 from autockpt.execution.debug import OpRecorder, output_metadata, run_stage, stage_mismatch
 from autockpt.execution.hooks import HookState, hook_error, hook_state, hooked_modules
+from autockpt.execution.policies import OpPolicy, SelectiveRecompute
 from autockpt.plan import Segment
 from autockpt.sandbox import recomputing
 from autockpt.walkers.graph import GraphPiece
@@ -158,6 +160,7 @@ class SegmentRuntime:
     hooked: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; whose forward hooks run inside
     label: str = ""  # "2", or "2.1" for a nested segment
     debug: bool = False  # check every op of a recompute (NOTE [Recompute check] in debug.py)
+    selective: SelectiveRecompute | None = None  # an op policy's context_fn (execution/policies.py)
 
     @property
     def description(self) -> str:
@@ -168,26 +171,34 @@ class SegmentRuntime:
 
 
 def build_runtime(
-    segments: Sequence[Segment], stages: Sequence[Stage], *, debug: bool = False, prefix: str = ""
+    segments: Sequence[Segment],
+    stages: Sequence[Stage],
+    *,
+    debug: bool = False,
+    prefix: str = "",
+    policy: tuple[str, OpPolicy | None] | None = None,
 ) -> tuple[SegmentRuntime, ...]:
-    """Bind plan segments to the chain's stages; ``debug`` checks every op of each recompute."""
+    """Bind plan segments to the chain's stages; ``debug`` checks every op of each recompute;
+    ``policy`` (name, function) chooses the ops whose outputs checkpointed segments keep
+    (those without nested segments)."""
     out = []
     for i, seg in enumerate(segments):
         own = tuple(stages[seg.start : seg.stop])
         named = _named_modules(own) if seg.checkpoint else ()
-        out.append(
-            SegmentRuntime(
-                segment=seg,
-                stages=own,
-                buffers=segment_buffers(own) if seg.checkpoint else (),
-                children=build_runtime(seg.children, stages, debug=debug, prefix=f"{prefix}{i}."),
-                rng_free=rng_free_modules(own),
-                named_modules=named,
-                hooked=hooked_modules(own, named) if seg.checkpoint else (),
-                label=f"{prefix}{i}",
-                debug=debug,
-            )
+        rt = SegmentRuntime(
+            segment=seg,
+            stages=own,
+            buffers=segment_buffers(own) if seg.checkpoint else (),
+            children=build_runtime(seg.children, stages, debug=debug, prefix=f"{prefix}{i}.", policy=policy),
+            rng_free=rng_free_modules(own),
+            named_modules=named,
+            hooked=hooked_modules(own, named) if seg.checkpoint else (),
+            label=f"{prefix}{i}",
+            debug=debug,
         )
+        if seg.checkpoint and not seg.children and policy is not None and policy[1] is not None:
+            rt.selective = SelectiveRecompute(policy[0], policy[1], rt.description)
+        out.append(rt)
     return tuple(out)
 
 
@@ -207,6 +218,7 @@ def run_segments(runtimes: Sequence[SegmentRuntime], x: Any) -> Any:
                 *_device_hints(x),
                 use_reentrant=False,
                 preserve_rng_state=_may_use_rng(rt),
+                context_fn=noop_context_fn if rt.selective is None else rt.selective,
             )
         else:
             x = run_body(rt, x)
