@@ -200,7 +200,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     model, inputs = _build(args)
     with _snapshot(args):
         prof = autockpt.profile(
-            model, inputs, mode=args.mode, loss_fn=_LOSSES[args.loss], repeats=args.repeats
+            model, inputs, mode=args.mode, loss_fn=_LOSSES[args.loss], repeats=args.repeats, ops=args.ops
         )
         print(prof.to_json() if args.json else prof)
         if args.plot is not None:
@@ -357,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         "profile", parents=[common, planning, snapshot], help="per-stage time and bytes of one training step"
     )
     p.add_argument("--repeats", type=int, default=3, help="timing repeats per stage")
+    p.add_argument("--ops", action="store_true", help="also every op of each stage (bytes, time, FLOPs)")
     p.add_argument(
         "--plot", type=Path, default=None, metavar="FILE",
         help="draw memory through one step, unwrapped and with the plan --segments/--budget make "

@@ -85,6 +85,11 @@ def test_profile_prints_per_stage_figures(capsys: pytest.CaptureFixture[str]) ->
     prof = json.loads(out)
     assert code == 0 and len(prof["stages"]) == 15
     assert prof["stages"][0]["name"] == "0+1" and prof["stages"][0]["bwd_peak_bytes"] > 0
+    assert "ops" not in prof["stages"][0]
+    code, out, _ = run(
+        ["profile", "autockpt.models:NiN", "--input", "2x3x32x32", "--repeats", "1", "--ops"], capsys
+    )
+    assert code == 0 and "aten.convolution.default" in out and "keepable" in out
 
 
 def test_verify_passes_on_an_exact_model(capsys: pytest.CaptureFixture[str]) -> None:

@@ -94,9 +94,11 @@ def profile_blocks(
     static_bytes: int,
     *,
     repeats: int = 3,
+    ops: bool = False,
 ) -> Profile:
     """Profile a block-walked model: each block alone, and the gaps in one real step (the
-    caller keeps old garbage alive: its windows collect the young generations only)."""
+    caller keeps old garbage alive: its windows collect the young generations only). With
+    ``ops``, each block's ops too (the gaps are never checkpointed: they need none)."""
     device = device_of(model, [list(args), kwargs])
     blocks = [stage.units[0].modules[0] for stage in chain.stages]
     calls = [stage.units[0].fn for stage in chain.stages]
@@ -116,7 +118,7 @@ def profile_blocks(
         step = _Step(windows, outside)
         for i, (block, call) in enumerate(zip(blocks, calls)):
             block.__dict__["forward"] = _measuring_forward(
-                i, block, call, step, alone, inputs, device, repeats
+                i, block, call, step, alone, inputs, device, repeats, ops
             )
         step.mark("gap 0")
         out = model(*call_args, **call_kwargs)
@@ -140,11 +142,14 @@ def _measuring_forward(
     inputs: dict[int, dict[int, int]],
     device: torch.device,
     repeats: int,
+    ops: bool,
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if i not in alone and torch.is_grad_enabled():
             step.mark(f"measure {i}")  # the measurement's own allocations: a window to ignore
-            alone[i], _ = measure_stage(call, [block], (args, kwargs), device, repeats, grads_as_given=True)
+            alone[i], _ = measure_stage(
+                call, [block], (args, kwargs), device, repeats, grads_as_given=True, ops=ops
+            )
             inputs[i] = storage_sizes(tensors_in((args, kwargs)))
         first_in = next((t for t in tensors_in((args, kwargs)) if t.requires_grad), None)
         if first_in is not None and torch.is_grad_enabled():

@@ -51,14 +51,18 @@ def model_profile(
     where: str,
     repeats: int = 3,
     cached: bool = True,
+    ops: bool = False,
 ) -> Profile:
-    """The profile of ``chain`` on these inputs, with the loss's bytes, measured once."""
+    """The profile of ``chain`` on these inputs, with the loss's bytes, measured once
+    (``ops``: with the op-level profile; one with ops serves a request without)."""
     key = _key(model, chain, [list(args), kwargs])
     per_model = _PROFILES.setdefault(model, {})
     prof = per_model.get(key) if cached else None
+    if prof is not None and ops and not prof.has_ops:
+        prof = None
     with old_garbage_kept():
         if prof is None:
-            prof = _measure(model, walked, chain, args, kwargs, repeats, where)
+            prof = _measure(model, walked, chain, args, kwargs, repeats, where, ops)
             per_model[key] = prof
         return dataclasses.replace(prof, loss_bytes=_loss_bytes(model, key, args, kwargs, loss_fn, where))
 
@@ -90,12 +94,13 @@ def _measure(
     kwargs: dict[str, Any],
     repeats: int,
     where: str,
+    ops: bool,
 ) -> Profile:
     static = static_bytes(model, [list(args), kwargs])
     if walked.walker == "blocks":
-        return profile_blocks(model, chain, args, kwargs, static, repeats=repeats)
+        return profile_blocks(model, chain, args, kwargs, static, repeats=repeats, ops=ops)
     x = walked.entry_value(args, kwargs, where=where)
-    return profile_chain(model, chain, x, static, repeats=repeats)
+    return profile_chain(model, chain, x, static, repeats=repeats, ops=ops)
 
 
 def _loss_bytes(
@@ -141,6 +146,7 @@ def profile(
     mode: str | None = None,
     loss_fn: LossFn | None = None,
     repeats: int = 3,
+    ops: bool = False,
 ) -> Profile:
     """Measure what every stage of ``model`` costs in one training step on these inputs.
 
@@ -169,6 +175,10 @@ def profile(
             because the loss runs when every saved activation is alive. By default a
             weighted sum of the outputs (:func:`~autockpt.measure.losses.default_loss`).
         repeats: timing repeats per stage (times are medians; bytes are exact).
+        ops: also profile every op of each stage's forward (:class:`~autockpt.planners.OpCost`:
+            its output bytes, time, FLOPs, whether autograd keeps its output, whether a
+            policy may keep it), shown by ``print`` and in the JSON. One more forward per
+            stage, under a dispatch mode.
 
     Returns:
         a :class:`Profile`; ``print`` it for a table, ``.to_json()`` for machines.
@@ -184,5 +194,6 @@ def profile(
     walked = walk(model, mode, where="profile", none_args=none_pattern(model, args, kwargs))
     chain = build_chain(walked.walker, walked.units, dry_run(model, walked, args, kwargs, where="profile"))
     return model_profile(
-        model, walked, chain, args, kwargs, loss_fn=loss_fn, where="profile", repeats=repeats, cached=False
-    )
+        model, walked, chain, args, kwargs, loss_fn=loss_fn, where="profile", repeats=repeats, cached=False,
+        ops=ops,
+    )  # fmt: skip

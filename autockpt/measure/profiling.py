@@ -23,6 +23,7 @@ from torch import nn
 from autockpt.chain import Chain
 from autockpt.measure.losses import LossFn, step_loss
 from autockpt.measure.memory import Windows
+from autockpt.measure.ops import measure_ops
 from autockpt.plan import Plan, Segment
 from autockpt.planners import StageCost
 from autockpt.planners.cost_model import memory_events
@@ -153,7 +154,6 @@ class Profile:
                     format_bytes(c.grad_bytes),
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = [
             f"autockpt profile: walker={self.walker!r}, device={self.device}, {len(self.costs)} stages, "
             f"parameters+buffers+inputs {format_bytes(self.static_bytes)}"
@@ -163,11 +163,39 @@ class Profile:
                 else ""
             )
         ]
-        lines += [
-            "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
-            for r in rows
-        ]
+        lines += _table(rows)
+        if self.has_ops:
+            lines.append("ops (saved: autograd keeps the output; keepable: a policy may keep it)")
+            op_rows = [("stage", "op", "output", "ms", "MFLOP", "saved", "keepable")]
+            for name, c in zip(self.stage_names, self.costs):
+                op_rows += [
+                    (
+                        name,
+                        o.op,
+                        format_bytes(o.out_bytes),
+                        f"{o.ms:.3f}",
+                        f"{o.flops / 1e6:.1f}",
+                        "yes" if o.saved else "no",
+                        "yes" if o.keepable else "no",
+                    )
+                    for o in c.ops
+                ]
+            lines += _table(op_rows, left=2)
         return "\n".join(lines)
+
+    @property
+    def has_ops(self) -> bool:
+        """Whether the op-level profile was taken (``profile(..., ops=True)``)."""
+        return any(c.ops for c in self.costs)
+
+
+def _table(rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
+    """Rows as aligned lines: the first ``left`` columns to the left, the rest to the right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(v.ljust(w) if i < left else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
 
 
 def measure_stage(
@@ -178,6 +206,7 @@ def measure_stage(
     repeats: int,
     *,
     grads_as_given: bool = False,
+    ops: bool = False,
 ) -> tuple[StageCost, Any]:
     """What running ``stage`` on ``x`` costs in a training step, and its output (detached).
 
@@ -186,7 +215,8 @@ def measure_stage(
     freed inside it (``model_profile.old_garbage_kept`` pauses the collector).
     Floating-point inputs are made to require gradients, as activations do; with
     ``grads_as_given``, only those that require gradients already (see
-    :func:`~autockpt.tensors.requiring_grad`).
+    :func:`~autockpt.tensors.requiring_grad`). With ``ops``, the stage's ops are profiled
+    too (:func:`~autockpt.measure.ops.measure_ops`).
     """
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     params = [p for p in params if p.requires_grad]
@@ -194,6 +224,7 @@ def measure_stage(
         fwd_ms, bwd_ms = _nominal_times(stage, x, params, grads_as_given)
     else:
         fwd_ms, bwd_ms = _times(stage, x, params, repeats, device, grads_as_given)  # also warms up
+    op_costs = measure_ops(stage, x, device, grads_as_given=grads_as_given) if ops else ()
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -241,6 +272,7 @@ def measure_stage(
         fwd_peak_bytes=fwd_peak,
         bwd_peak_bytes=max(0, bwd_peak - out_bytes),
         grad_bytes=grad_bytes,
+        ops=op_costs,
     )
     return cost, next_value
 
@@ -339,9 +371,12 @@ def _times(
     return statistics.median(fwd), statistics.median(bwd)
 
 
-def profile_chain(model: nn.Module, chain: Chain, x: Any, static_bytes: int, *, repeats: int = 3) -> Profile:
+def profile_chain(
+    model: nn.Module, chain: Chain, x: Any, static_bytes: int, *, repeats: int = 3, ops: bool = False
+) -> Profile:
     """Measure every stage of ``chain`` starting from the chain's input value ``x`` (the
-    caller keeps old garbage alive, see :func:`measure_stage`)."""
+    caller keeps old garbage alive, see :func:`measure_stage`); ``ops`` adds the op-level
+    profile."""
     device = device_of(model, x)
     grads = [(p, p.grad) for p in model.parameters()]
     costs = []  # the caller collected garbage once: each stage collects the young generations
@@ -350,7 +385,7 @@ def profile_chain(model: nn.Module, chain: Chain, x: Any, static_bytes: int, *, 
             value = x
             for stage in chain.stages:
                 modules = [m for u in stage.units for m in u.modules]
-                cost, value = measure_stage(stage, modules, value, device, repeats)
+                cost, value = measure_stage(stage, modules, value, device, repeats, ops=ops)
                 costs.append(cost)
     finally:
         for p, g in grads:

@@ -3,6 +3,7 @@
 from autockpt.planners import basic as _basic  # noqa: F401  (registers the built-ins)
 from autockpt.planners import budget as _budget  # noqa: F401
 from autockpt.planners.registry import (
+    OpCost,
     Planner,
     PlanRequest,
     StageCost,
@@ -14,6 +15,7 @@ from autockpt.planners.registry import (
 )
 
 __all__ = [
+    "OpCost",
     "PlanRequest",
     "Planner",
     "StageCost",

@@ -12,10 +12,12 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from autockpt.plan import Segment, validate_segments
 
 __all__ = [
+    "OpCost",
     "PlanRequest",
     "Planner",
     "StageCost",
@@ -24,6 +26,30 @@ __all__ = [
     "register_planner",
     "segments_from_sizes",
 ]
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op of a stage's forward, as the op-level profile saw it (``profile(ops=True)``).
+
+    Attributes:
+        op: the op's name, e.g. ``"aten.addmm.default"``.
+        out_bytes: the new memory its outputs take (views and in-place results: 0).
+        ms: its forward time (measured; nominal from FLOPs on the meta device).
+        flops: its FLOPs, where torch has a formula for the op (matmuls, convolutions,
+            attention), else 0.
+        saved: autograd keeps its output for backward when the stage runs plainly.
+        keepable: an op policy may keep its output: it makes new memory, it is not
+            random, and no later op of the stage writes into it (NOTE [Kept outputs
+            changed in place] in ``execution/policies.py``).
+    """
+
+    op: str
+    out_bytes: int
+    ms: float
+    flops: int
+    saved: bool
+    keepable: bool
 
 
 @dataclass(frozen=True)
@@ -43,6 +69,7 @@ class StageCost:
         bwd_peak_bytes: working peak of its backward above what it holds and its output
             gradient (workspaces, input and parameter gradients included).
         grad_bytes: parameter gradients it leaves allocated after its backward.
+        ops: its forward's ops in the order they run, when profiled with ``ops=True``.
     """
 
     fwd_ms: float
@@ -55,10 +82,14 @@ class StageCost:
     fwd_peak_bytes: int
     bwd_peak_bytes: int
     grad_bytes: int
+    ops: tuple[OpCost, ...] = ()
 
-    def to_dict(self) -> dict[str, float]:
-        """Plain data for JSON."""
-        return asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON (``ops`` only when profiled)."""
+        data = asdict(self)
+        if not self.ops:
+            del data["ops"]
+        return data
 
 
 @dataclass(frozen=True)
