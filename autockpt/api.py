@@ -93,10 +93,14 @@ def auto_checkpoint(
             (matmuls, linear layers, convolutions, attention), ``"save-compute"`` (those,
             norms, softmax and pooling), a name registered with
             :func:`autockpt.register_policy`, or a function ``op -> bool`` called with each
-            ``torch._ops.OpOverload``. Kept outputs stay alive until the segment's
-            backward: less recompute, more memory. The first forward of each segment keeps
-            nothing while it learns which outputs later ops change in place (NOTE [Kept
-            outputs changed in place] in ``execution/policies.py``); under
+            ``torch._ops.OpOverload``; with a budget, also ``"auto"``: the planner chooses
+            each checkpointed segment's kept ops for the least recompute under the budget.
+            With a budget, a named policy's kept outputs are counted by the planner, which
+            then keeps exactly the ops it counted (``Segment.keep``). Kept outputs stay
+            alive until the segment's backward: less recompute, more memory. The first
+            forward of each segment keeps nothing while it learns which outputs later ops
+            change in place (NOTE [Kept outputs changed in place] in
+            ``execution/policies.py``); under
             ``torch.compile`` the policy is not applied.
 
     Returns:
@@ -131,7 +135,7 @@ def auto_checkpoint(
     name, fn = _policy(policy, segments, "auto_checkpoint")
     walked, probe, chain, plan = prepare(
         model, segments, budget, example_inputs, example_kwargs, mode,
-        where="auto_checkpoint", loss_fn=loss_fn, previous=_previous(model), policy=name,
+        where="auto_checkpoint", loss_fn=loss_fn, previous=_previous(model), policy=name, policy_fn=fn,
     )  # fmt: skip
     spec = plan if budget is not None else segments
     install(model, walked, chain, plan, spec, probe, debug=debug, policy_fn=fn)
@@ -161,7 +165,7 @@ def _keep_the_promise(
         try:
             _, probe, chain, plan = prepare(
                 model, "sqrt", limit, args, kwargs, mode, where="auto_checkpoint", loss_fn=loss_fn,
-                policy=fwd.plan.policy,
+                policy=fwd.plan.policy, policy_fn=fwd.policy_fn,
             )  # fmt: skip
         except PlanInfeasibleError:
             break
@@ -202,10 +206,10 @@ def make_plan(
     """
     _check_module(model, "make_plan")
     model = _compiled_inner(model) or model
-    name, _ = _policy(policy, segments, "make_plan")
+    name, fn = _policy(policy, segments, "make_plan")
     return prepare(
         model, segments, budget, example_inputs, example_kwargs, mode,
-        where="make_plan", loss_fn=loss_fn, previous=_previous(model), policy=name,
+        where="make_plan", loss_fn=loss_fn, previous=_previous(model), policy=name, policy_fn=fn,
     )[3]  # fmt: skip
 
 

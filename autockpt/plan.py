@@ -51,12 +51,20 @@ class Segment:
             and recomputed in backward.
         children: optional sub-segments covering ``[start, stop)`` exactly; a checkpointed
             segment with checkpointed children is recomputed in nested fashion.
+        keep: ops whose outputs this checkpointed segment keeps instead of recomputing,
+            chosen by ``policy="auto"``: ``"position:op"``, the op's place among the ops
+            the segment's forward runs (as selective checkpointing sees them) and its name.
+        kept_bytes: what the kept outputs hold from the forward to the segment's backward.
+        kept_ms: the recompute time keeping them saves.
     """
 
     start: int
     stop: int
     checkpoint: bool
     children: tuple[Segment, ...] = ()
+    keep: tuple[str, ...] = ()
+    kept_bytes: int = 0
+    kept_ms: float = 0.0
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -66,6 +74,8 @@ class Segment:
         out: dict[str, Any] = {"start": self.start, "stop": self.stop, "checkpoint": self.checkpoint}
         if self.children:
             out["children"] = [c.to_dict() for c in self.children]
+        if self.keep:
+            out.update(keep=list(self.keep), kept_bytes=self.kept_bytes, kept_ms=self.kept_ms)
         return out
 
     @classmethod
@@ -76,6 +86,9 @@ class Segment:
             stop=int(data["stop"]),
             checkpoint=bool(data["checkpoint"]),
             children=tuple(cls.from_dict(c) for c in data.get("children", ())),
+            keep=tuple(str(k) for k in data.get("keep", ())),
+            kept_bytes=int(data.get("kept_bytes", 0)),
+            kept_ms=float(data.get("kept_ms", 0.0)),
         )
 
 
@@ -99,6 +112,11 @@ def validate_segments(segments: Sequence[Segment], start: int, stop: int, *, whe
             )
         if seg.children:
             validate_segments(seg.children, seg.start, seg.stop, where=where)
+        if seg.keep and (not seg.checkpoint or seg.children):
+            raise ValueError(
+                f"{where}: {seg} keeps op outputs, which only a checkpointed segment without "
+                "sub-segments can; drop keep= or checkpoint the segment."
+            )
         pos = seg.stop
     if pos != stop:
         raise ValueError(
@@ -269,6 +287,11 @@ class Plan:
             if seg.children:
                 inner = sum(1 for c in seg.children if c.checkpoint)
                 lines.append(f"  inside: {len(seg.children)} nested segments, {inner} checkpointed")
+            if seg.keep:
+                lines.append(
+                    f"  keeps the outputs of {len(seg.keep)} ops ({format_bytes(seg.kept_bytes)}, "
+                    f"{seg.kept_ms:.2f} ms less recompute): {', '.join(seg.keep)}"
+                )
             if figs is None:
                 continue
             own = figs[seg.start : seg.stop]
@@ -313,13 +336,13 @@ class Plan:
         )
         if self.policy != "recompute-all":
             head += f", policy={self.policy!r}"
-        rows = [("segment", "stages", "recomputed", "modules")]
+        rows = [("segment", "stages", "recomputed", "kept ops", "modules")]
         for i, seg in enumerate(self.segments):
             rows.extend(_rows(self, seg, str(i), ""))
-        widths = [max(len(r[c]) for r in rows) for c in range(3)]
+        widths = [max(len(r[c]) for r in rows) for c in range(4)]
         lines = [head]
         for r in rows:
-            lines.append("  ".join(r[c].ljust(widths[c]) for c in range(3)) + "  " + r[3])
+            lines.append("  ".join(r[c].ljust(widths[c]) for c in range(4)) + "  " + r[4])
         why = (
             "each checkpointed block is recomputed on its own"
             if self.walker == "blocks"
@@ -333,6 +356,14 @@ class Plan:
             lines.append(f"predicted recompute time: {self.predicted_recompute_ms:.2f} ms per step")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _kept(seg: Segment) -> str:
+    """``"3 (1.50 MiB, -2.10 ms)"``: how many ops a segment keeps, their bytes, the recompute
+    time saved; ``"-"`` for none."""
+    if not seg.keep:
+        return "-"
+    return f"{len(seg.keep)} ({format_bytes(seg.kept_bytes)}, -{seg.kept_ms:.2f} ms)"
 
 
 def _stage_span(plan: Plan, seg: Segment) -> str:
@@ -352,10 +383,10 @@ def _recomputed(segments: Sequence[Segment]) -> int:
     return total
 
 
-def _rows(plan: Plan, seg: Segment, label: str, indent: str) -> list[tuple[str, str, str, str]]:
+def _rows(plan: Plan, seg: Segment, label: str, indent: str) -> list[tuple[str, str, str, str, str]]:
     stages = f"{seg.start}" if len(seg) == 1 else f"{seg.start}-{seg.stop - 1}"
     mods = ", ".join(f"{plan.stage_names[i]}:{plan.stage_kinds[i]}" for i in range(seg.start, seg.stop))
-    rows = [(indent + label, stages, "yes" if seg.checkpoint else "no", mods)]
+    rows = [(indent + label, stages, "yes" if seg.checkpoint else "no", _kept(seg), mods)]
     for j, child in enumerate(seg.children):
         rows.extend(_rows(plan, child, f"{label}.{j}", indent + "  "))
     return rows

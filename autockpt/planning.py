@@ -23,56 +23,32 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from autockpt.budget_plans import BudgetCosts, OpPolicy, budget_costs, budget_segments, policy_masks
 from autockpt.chain import Chain, DryRun, Unit, build_chain
-from autockpt.errors import AutockptError, PlanInfeasibleError
+from autockpt.errors import AutockptError
 from autockpt.measure.dry_run import dry_run
 from autockpt.measure.losses import LossFn
-from autockpt.measure.model_profile import model_profile
-from autockpt.measure.profiling import Profile
 from autockpt.plan import Plan, Segment, StageFigures
 from autockpt.planners import Planner, PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import estimated_peak, uniform_plan
-from autockpt.planners.cost_model import predict
 from autockpt.tensors import as_args
-from autockpt.units import format_bytes, parse_budget
+from autockpt.units import format_bytes
 from autockpt.walkers import Walked, walk
 from autockpt.walkers.graph import none_pattern
 
 __all__ = [
-    "BudgetCosts",
     "SegmentsSpec",
     "build_plan",
-    "describe_peak",
     "prepare",
     "reused_dry_run",
     "saves_little",
 ]
 
 SegmentsSpec = int | str | Planner | Plan
-
-
-# NOTE [Planning repeats]
-#     A budget plan needs each stage's bytes (exact from one run) and its time relative to
-#     the others. Timing each stage once after a warm-up, instead of the median of three
-#     that ``autockpt.profile`` reports, takes the profile from five runs of every stage to
-#     three: the measuring part of ``auto_checkpoint(..., budget=...)`` then costs about
-#     three training steps plus fixed overheads (goal: at most 10x one step).
-PLANNING_REPEATS = 1
-
-
-@dataclass(frozen=True)
-class BudgetCosts:
-    """What a budget plan is made from: the measured profile and the budget in bytes."""
-
-    profile: Profile
-    budget_bytes: int
-    unwrapped_bytes: int
-    loss_described: str
 
 
 def prepare(
@@ -87,14 +63,24 @@ def prepare(
     loss_fn: LossFn | None = None,
     previous: tuple[tuple[Unit, ...], DryRun | None] | None = None,
     policy: str | None = None,
+    policy_fn: OpPolicy | None = None,
 ) -> tuple[Walked, DryRun | None, Chain, Plan]:
     """Walk, dry-run, profile when a budget asks for it, and plan.
 
     ``previous`` is the units and dry run of the plan installed now, reused when the walk
     finds the same units and no example inputs are given. ``policy`` names the op policy the
-    plan carries (a given Plan keeps its own when it is ``None``).
+    plan carries (a given Plan keeps its own when it is ``None``); ``policy_fn`` is its
+    function, whose kept outputs a budget plan counts (NOTE [Budgets under a policy] in
+    ``budget_plans.py``).
     """
     _check_arguments(segments, budget, example_inputs, example_kwargs, loss_fn, where)
+    choose_ops = policy == "auto" and not isinstance(segments, Plan)
+    if choose_ops and budget is None:
+        raise ValueError(
+            f"{where}: policy='auto' lets the budget planner choose the ops each segment keeps, and "
+            "no budget was given. Pass budget=... and example_inputs=..., or a named policy such as "
+            "'save-matmuls'."
+        )
     if isinstance(segments, Plan) and mode is None:
         mode = segments.walker  # a plan applies to the stages its walker found
     walked, dry, chain = walk_and_dry_run(
@@ -103,7 +89,12 @@ def prepare(
     costs = None
     if budget is not None:
         args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
-        costs = budget_costs(model, walked, chain, args, kwargs, budget, loss_fn=loss_fn, where=where)
+        costs = budget_costs(
+            model, walked, chain, args, kwargs, budget, loss_fn=loss_fn, where=where,
+            ops=choose_ops or policy_fn is not None,
+        )  # fmt: skip
+        if policy_fn is not None:
+            costs = dataclasses.replace(costs, keep_only=policy_masks(costs.profile, policy_fn))
     plan = build_plan(chain, "budget" if budget is not None else segments, where=where,
                       notes=walked.notes, budget=costs)  # fmt: skip
     if policy is not None and policy != plan.policy:
@@ -130,32 +121,6 @@ def walk_and_dry_run(
         dry_run(model, walked, args, kwargs, where=where) if has_inputs else reused_dry_run(walked, previous)
     )
     return walked, dry, build_chain(walked.walker, walked.units, dry)
-
-
-def budget_costs(
-    model: nn.Module,
-    walked: Walked,
-    chain: Chain,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    budget: int | float | str,
-    *,
-    loss_fn: LossFn | None,
-    where: str,
-) -> BudgetCosts:
-    """The profile (measured once per model, chain and input shapes) and the budget in bytes."""
-    prof = model_profile(
-        model, walked, chain, args, kwargs, loss_fn=loss_fn, where=where, repeats=PLANNING_REPEATS
-    )
-    assert prof.loss_bytes is not None
-    whole = (Segment(0, len(prof.costs), False),)
-    unwrapped = prof.static_bytes + predict(whole, prof.costs, loss_bytes=prof.loss_bytes).peak_bytes
-    return BudgetCosts(
-        profile=prof,
-        budget_bytes=parse_budget(budget, unwrapped_bytes=unwrapped, where=where),
-        unwrapped_bytes=unwrapped,
-        loss_described="loss_fn" if loss_fn is not None else "default, a weighted sum of the outputs",
-    )
 
 
 def _check_arguments(
@@ -238,7 +203,7 @@ def build_plan(
     notes = [*notes, *_fusion_notes(chain)]
     extra: dict[str, Any] = {}
     if budget is not None:
-        segments, extra = _budget_segments(chain, budget, where, notes)
+        segments, extra = budget_segments(chain, budget, where, notes)
         strategy = f"budget={format_bytes(budget.budget_bytes)}"
     else:
         segments, strategy = _spec_segments(chain, spec, where)
@@ -342,75 +307,6 @@ def _spec_segments(chain: Chain, spec: SegmentsSpec, where: str) -> tuple[tuple[
     if isinstance(spec, Plan):  # build_plan passes plans through before asking for segments
         raise TypeError(f"{where}: a Plan has its segments already")
     return run_planner(spec, request, where=where), getattr(spec, "__name__", type(spec).__name__)
-
-
-def _budget_segments(
-    chain: Chain, budget: BudgetCosts, where: str, notes: list[str]
-) -> tuple[tuple[Segment, ...], dict[str, Any]]:
-    """Segments of the least-recompute plan under the budget, in the chain's stages."""
-    prof = budget.profile
-    spans = prof.checkpoint_spans
-    if chain.first_unit_unsafe and spans is None:  # segment 0 stays plain: a constraint, not a repair
-        spans = (0, *([len(prof.costs)] * (len(prof.costs) - 1)))
-    request = PlanRequest(
-        stage_names=prof.stage_names,
-        costs=prof.costs,
-        budget_bytes=budget.budget_bytes,
-        static_bytes=prof.static_bytes,
-        loss_bytes=prof.loss_bytes,
-        checkpoint_spans=spans,
-        input_bytes=chain.input_bytes if prof.stage_of is None else None,
-        saved_bytes=chain.saved_bytes if prof.stage_of is None else None,
-    )
-    try:
-        segs = run_planner(get_planner("budget", where=where), request, where=where)
-    except PlanInfeasibleError as err:
-        raise PlanInfeasibleError(
-            str(err).replace("budget planner:", f"{where}:", 1), min_budget_bytes=err.min_budget_bytes
-        ) from None
-    prediction = predict(segs, prof.costs, loss_bytes=prof.loss_bytes)
-    notes.extend(
-        [
-            f"unwrapped step predicted at {format_bytes(budget.unwrapped_bytes)}",
-            f"the loss ({budget.loss_described}) needs {format_bytes(prof.loss_bytes or 0)} above the output",
-            f"the predicted peak falls in {describe_peak(prediction.peak_at, prof.stage_names)}",
-        ]
-    )
-    if prof.stage_of is not None:  # profiled stages -> the chain's blocks
-        flags = [False] * len(chain.stages)
-        for seg in segs:
-            for i in range(seg.start, seg.stop):
-                if seg.checkpoint and prof.stage_of[i] is not None:
-                    flags[prof.stage_of[i]] = True  # type: ignore[index]
-        segs = tuple(Segment(i, i + 1, f) for i, f in enumerate(flags))
-    extra = {
-        "budget_bytes": budget.budget_bytes,
-        "predicted_peak_bytes": prof.static_bytes + prediction.peak_bytes,
-        "predicted_recompute_ms": prediction.recompute_ms,
-    }
-    return segs, extra
-
-
-def predict_plan(plan: Plan, prof: Profile) -> tuple[int, float]:
-    """A plan's predicted peak (parameters and inputs included) and recompute time, from a
-    profile of the same model and inputs (``autockpt.tradeoff`` compares any plans so)."""
-    try:
-        segs = prof.segments_of(plan)
-    except ValueError as err:
-        raise ValueError(f"predict_plan: {err}") from None
-    prediction = predict(segs, prof.costs, loss_bytes=prof.loss_bytes)
-    return prof.static_bytes + prediction.peak_bytes, prediction.recompute_ms
-
-
-def describe_peak(at: tuple[int, int, str], names: Sequence[str]) -> str:
-    """Words for :attr:`Prediction.peak_at`, e.g. "the backward of stage '0+1'"."""
-    start, stop, phase = at
-    if phase == "loss":
-        return "the loss, between forward and backward"
-    if phase == "recompute":
-        span = repr(names[start]) if stop == start + 1 else f"{names[start]!r}..{names[stop - 1]!r}"
-        return f"the recompute and backward of the checkpointed segment {span}"
-    return f"the {phase} of stage {names[start]!r}"
 
 
 # NOTE [sqrt on blocks]

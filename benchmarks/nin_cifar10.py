@@ -51,10 +51,10 @@ from torch import nn
 from tqdm import tqdm
 
 import autockpt
+from autockpt.budget_plans import describe_peak
 from autockpt.cli import budget_arg
 from autockpt.plan import Segment
 from autockpt.planners.cost_model import predict
-from autockpt.planning import describe_peak
 from autockpt.units import format_bytes
 
 FORMATS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}

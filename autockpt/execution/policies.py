@@ -59,6 +59,7 @@ ContextManager = contextlib.AbstractContextManager[Any]
 """Whether to keep an op's output (``True``) or recompute it in backward (``False``)."""
 
 DEFAULT_POLICY = "recompute-all"
+AUTO_POLICY = "auto"  # the budget planner chooses each segment's ops (Segment.keep)
 
 _aten = torch.ops.aten
 
@@ -94,6 +95,7 @@ def _in(ops: frozenset[Any], op: torch._ops.OpOverload) -> bool:
 
 _POLICIES: dict[str, OpPolicy | None] = {
     DEFAULT_POLICY: None,
+    AUTO_POLICY: None,
     "save-matmuls": functools.partial(_in, MATMUL_OPS),
     "save-compute": functools.partial(_in, COMPUTE_OPS),
 }
@@ -144,7 +146,7 @@ def resolve_policy(spec: str | OpPolicy | None, *, where: str) -> tuple[str, OpP
         name, fn = f"callable {getattr(spec, '__qualname__', type(spec).__name__)}", spec
     else:
         raise TypeError(f"{where}: policy must be a registered name or a function op -> bool, got {spec!r}.")
-    if fn is not None and not _SEES_OUTPUTS:
+    if (fn is not None or name == AUTO_POLICY) and not _SEES_OUTPUTS:
         raise AutockptError(
             f"{where}: policy={name!r} needs a torch whose selective checkpointing shows the policy each "
             f"op's output (SelectiveCheckpointContext.op_output); torch {torch.__version__} does not. "
@@ -161,9 +163,12 @@ class SelectiveRecompute:
     """The ``context_fn`` of one checkpointed segment under a policy (NOTE [Kept outputs
     changed in place], NOTE [Random ops are never kept])."""
 
-    def __init__(self, name: str, policy: OpPolicy, segment: str) -> None:
+    def __init__(
+        self, name: str, policy: OpPolicy | None, segment: str, keep: frozenset[str] | None = None
+    ) -> None:
         self.name = name
         self.policy = policy
+        self.keep = keep  # "position:op" keys a plan chose (Segment.keep), instead of a policy
         self.segment = segment
         self.probed = False
         self.ops: dict[int, Any] = {}  # position -> op, as the first forward ran them
@@ -191,7 +196,7 @@ class SelectiveRecompute:
                     self.changed.add(pos)
             if probing:
                 self.ops[k] = op
-            wanted = self._wants(op)
+            wanted = f"{k}:{op}" in self.keep if self.keep is not None else self._wants(op)
             if not wanted:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             for t in ctx.op_output if isinstance(ctx.op_output, (list, tuple)) else (ctx.op_output,):
@@ -204,6 +209,8 @@ class SelectiveRecompute:
         return contexts
 
     def _wants(self, op: torch._ops.OpOverload) -> bool:
+        if self.policy is None:
+            return False
         try:
             wanted = bool(self.policy(op))
         except Exception as err:

@@ -196,8 +196,10 @@ def build_runtime(
             label=f"{prefix}{i}",
             debug=debug,
         )
-        if seg.checkpoint and not seg.children and policy is not None and policy[1] is not None:
-            rt.selective = SelectiveRecompute(policy[0], policy[1], rt.description)
+        name, fn = policy if policy is not None else ("recompute-all", None)
+        if seg.checkpoint and not seg.children and (fn is not None or seg.keep):
+            keep = frozenset(seg.keep) if seg.keep else None
+            rt.selective = SelectiveRecompute(name, fn, rt.description, keep)
         out.append(rt)
     return tuple(out)
 

@@ -98,8 +98,9 @@ class _Recorder(TorchDispatchMode):
 
 def _run(
     stage: Any, x: Any, device: torch.device, grads_as_given: bool
-) -> tuple[_Recorder, list[float], set[int]]:
-    """One recorded forward: its ops, their times, and the storages autograd saved."""
+) -> tuple[_Recorder, list[float], set[int], set[int]]:
+    """One recorded forward: its ops, their times, the storages autograd saved and those of
+    the stage's output."""
     saved: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -110,8 +111,9 @@ def _run(
     recorder = _Recorder(device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
         out = stage(inputs)
+    outputs = {storage_key(t) for t in tensors_in(out)}
     del out
-    return recorder, recorder.times(), saved
+    return recorder, recorder.times(), saved, outputs
 
 
 def _flops(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
@@ -133,9 +135,9 @@ def measure_ops(
     """The ops of one forward of ``stage`` on ``x`` (see the module docstring); the caller
     puts buffers and the RNG back (``sandbox.dry_run_state``)."""
     runs = [_run(stage, x, device, grads_as_given) for _ in range(1 if device.type == "meta" else 2)]
-    recorder, _, saved = runs[-1]
+    recorder, _, saved, outputs = runs[-1]
     sequence = [r["op"] for r in recorder.rows]
-    alike = [times for rec, times, _ in runs if [r["op"] for r in rec.rows] == sequence]
+    alike = [times for rec, times, _, _ in runs if [r["op"] for r in rec.rows] == sequence]
     fastest = [min(times[i] for times in alike) for i in range(len(recorder.rows))]
     return tuple(
         OpCost(
@@ -147,6 +149,7 @@ def measure_ops(
             keepable=r["out_bytes"] > 0
             and not r["changed"]
             and torch.Tag.nondeterministic_seeded not in r["op"].tags,
+            output=bool(r["storages"] & outputs),
         )
         for r, ms in zip(recorder.rows, fastest)
     )

@@ -14,29 +14,49 @@ predictions stay safe, checkpointed segments are at most 4 sqrt(n) stages long, 
 transition is one vectorised update; the optimum may then be missed by the rounding.
 Complexity O(n * L * G) for n stages, segments of at most L stages and G grid points;
 1000 stages plan in about a second on 2 cores (``benchmarks/planner_scaling.py``).
+
+Choosing ops too (``policy="auto"``, :attr:`PlanRequest.choose_ops`, profiles with ops, up
+to 64 stages): each checkpointed segment ``[s, t)`` may keep any subset of the keepable ops
+of its stages. Under the cost model a subset matters only through three numbers: the bytes
+it keeps ``K``, those of them autograd does not save ``K_u``, and the recompute time it
+saves ``M`` (:mod:`autockpt.planners.cost_model`). So per ``(s, t)`` only the subsets on the
+Pareto front of (``K`` low, ``K_u`` low, ``M`` high) are candidates, built stage by stage as
+a 0/1 knapsack, and the DP above takes each candidate as one more transition. Exact while a
+front holds at most 64 points; beyond that, points whose ``K`` and ``K_u`` agree within 5%
+(geometric buckets, independent of the budget, so more budget still never means more
+recompute) are merged, keeping the largest ``M``. Complexity O(n * L * (F * P + F^2 * m))
+for fronts of F points, position fronts of P points and m keepable ops per stage. Longer
+chains are planned without choosing ops.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from collections.abc import Sequence
 
 from autockpt.errors import PlanInfeasibleError
 from autockpt.plan import Segment
-from autockpt.planners.cost_model import CostModel, predict
+from autockpt.planners.cost_model import CostModel, KeptOp, keepable_ops, predict
 from autockpt.planners.registry import PlanRequest, StageCost, register_planner
 from autockpt.units import format_bytes
 
-__all__ = ["budget_planner", "min_feasible_budget"]
+__all__ = ["EXACT_UP_TO", "budget_planner", "min_feasible_budget"]
 
-_EXACT_UP_TO = 64
+EXACT_UP_TO = 64
 _RESOLUTION = 128
+_FRONT_CAP = 64  # op choices per segment before near-equal ones are merged
+_FRONT_RATIO = 1.05
+
+# one way a checkpointed segment may keep ops: (K, K_u, M, the ops)
+Option = tuple[int, int, float, tuple[KeptOp, ...]]
+_NOTHING: Option = (0, 0, 0.0, ())
 
 
 def _max_segment(n: int) -> int:
     """Longest checkpointed segment considered: all of them when exact, else 4 sqrt(n)."""
-    return n if n <= _EXACT_UP_TO else max(16, 4 * math.isqrt(n))
+    return n if n <= EXACT_UP_TO else max(16, 4 * math.isqrt(n))
 
 
 def _longest(model: CostModel, s: int) -> int:
@@ -51,12 +71,75 @@ def _solve(
     budget: int,
     loss_bytes: int | None = None,
     spans: Sequence[int] | None = None,
+    choose_ops: bool = False,
+    keep_only: Sequence[Sequence[bool]] | None = None,
 ) -> tuple[Segment, ...] | None:
-    """Least-recompute single-level plan with predicted peak <= budget, or None."""
+    """Least-recompute single-level plan with predicted peak <= budget, or None; with
+    ``choose_ops`` (and at most 64 stages), each checkpointed segment's kept ops too; with
+    ``keep_only``, every checkpointed segment keeps those ops."""
     model = CostModel(costs, loss_bytes, spans)
-    if len(costs) > _EXACT_UP_TO and importlib.util.find_spec("numpy") is not None:
+    if len(costs) > EXACT_UP_TO and importlib.util.find_spec("numpy") is not None:
         return _solve_dense(model, budget)
-    return _solve_exact(model, budget)  # exact; slow on long chains without numpy
+    fixed = None if keep_only is None else [list(m) for m in keep_only]
+    return _solve_exact(model, budget, choose_ops, fixed)  # exact; slow on long chains without numpy
+
+
+def _fixed_fronts(model: CostModel, s: int, stop: int, keep_only: list[list[bool]]) -> list[list[Option]]:
+    """Per ``t``, the one op choice of segment ``[s, t)`` a named policy makes."""
+    fronts, option = [], _NOTHING
+    for i in range(s, stop):
+        timed = {k.index: k for k in keepable_ops(model.c[i], i)}
+        last = {k.index for k in keepable_ops(model.c[i], i, last=True)}
+        ending = option
+        for j, o in enumerate(model.c[i].ops):
+            if not (keep_only[i][j] and o.keepable):
+                continue
+            op = timed.get(j, KeptOp(i, j, o.op, o.out_bytes, 0 if o.saved else o.out_bytes, 0.0))
+            option = _with(option, op)
+            ending = _with(ending, op if j in last else dataclasses.replace(op, ms=0.0))
+        fronts.append([ending])
+    return fronts
+
+
+def _op_fronts(model: CostModel, s: int, stop: int) -> list[list[Option]]:
+    """Per ``t`` in ``s+1 .. stop``, the candidate op choices of segment ``[s, t)``, the
+    cheapest first (see the module docstring)."""
+    fronts, front = [], [_NOTHING]
+    for i in range(s, stop):
+        ending = front  # the stage ends the segment: its output ops are no candidates
+        for op in keepable_ops(model.c[i], i, last=True):
+            ending = _pareto(ending + [_with(p, op) for p in ending])
+        fronts.append(ending)
+        for op in keepable_ops(model.c[i], i):
+            front = _pareto(front + [_with(p, op) for p in front])
+    return fronts
+
+
+def _with(option: Option, op: KeptOp) -> Option:
+    k, u, m, ops = option
+    return k + op.bytes, u + op.unsaved_bytes, m + op.ms, (*ops, op)
+
+
+def _pareto(points: list[Option]) -> list[Option]:
+    """The points no other holds as little (K and K_u) and saves as much (M) as; merged by
+    near-equal bytes when more than ``_FRONT_CAP`` remain."""
+    points.sort(key=lambda p: (p[0], p[1], -p[2]))
+    kept: list[Option] = []
+    for p in points:
+        if not any(q[1] <= p[1] and q[2] >= p[2] for q in kept):  # q[0] <= p[0] by the order
+            kept.append(p)
+    if len(kept) <= _FRONT_CAP:
+        return kept
+    buckets: dict[tuple[int, int], Option] = {}
+    for p in kept:
+        key = (_bucket(p[0]), _bucket(p[1]))
+        if key not in buckets or p[2] > buckets[key][2]:
+            buckets[key] = p
+    return sorted(buckets.values(), key=lambda p: (p[0], p[1], -p[2]))
+
+
+def _bucket(n: int) -> int:
+    return 0 if n <= 0 else 1 + int(math.log(n) / math.log(_FRONT_RATIO))
 
 
 def _solve_dense(model: CostModel, budget: int) -> tuple[Segment, ...] | None:
@@ -127,19 +210,22 @@ def _solve_dense(model: CostModel, budget: int) -> tuple[Segment, ...] | None:
     return _merge_plain(segments[::-1])
 
 
-def _solve_exact(model: CostModel, budget: int) -> tuple[Segment, ...] | None:
+def _solve_exact(
+    model: CostModel, budget: int, choose_ops: bool = False, keep_only: list[list[bool]] | None = None
+) -> tuple[Segment, ...] | None:
     """Pareto fronts of exact held bytes (small chains).
 
     The inner loops run ``len(costs)`` squared times the front sizes, so they are written for
-    speed: plain tuples, ``(start, stop, checkpointed)``, become segments only on the way back.
+    speed: plain tuples, ``(start, stop, checkpointed, option)``, become segments only on the
+    way back.
     """
     costs = model.c
     n = len(costs)
     # front[(i, kept)]: {held: (recompute, previous position, previous flag, previous held, segment)}
-    front: dict[tuple[int, bool], dict[int, tuple[float, int, bool, int, tuple[int, int, bool]]]] = {
+    front: dict[tuple[int, bool], dict[int, tuple[float, int, bool, int, _Seg]]] = {
         (i, k): {} for i in range(n + 1) for k in (False, True)
     }
-    front[(0, True)][0] = (0.0, -1, True, 0, (0, 0, False))  # the chain's input is a static byte
+    front[(0, True)][0] = (0.0, -1, True, 0, (0, 0, False, _NOTHING))  # the chain's input is static
     for s in range(n):
         for kept in (False, True):
             points = sorted(front[(s, kept)].items())
@@ -152,19 +238,28 @@ def _solve_exact(model: CostModel, budget: int) -> tuple[Segment, ...] | None:
             for held, (cost, *_rest) in points:
                 if held + plain > budget:
                     break
-                _offer(target, held + held_plain, cost, s, kept, held, (s, s + 1, False))
+                _offer(target, held + held_plain, cost, s, kept, held, (s, s + 1, False, _NOTHING))
             new_held = model.checkpoint_held(s, kept)
-            longest = _longest(model, s)
-            for t, (local, ms) in enumerate(model.checkpoint_locals(s, kept), start=s + 1):
-                if lowest + local > budget or t > longest:
+            longest = min(_longest(model, s), n)
+            fronts = (
+                _op_fronts(model, s, longest)
+                if choose_ops
+                else _fixed_fronts(model, s, longest, keep_only)
+                if keep_only is not None
+                else None
+            )
+            for t, (fwd, bwd, ms) in enumerate(model.checkpoint_split(s, kept), start=s + 1):
+                if lowest + max(fwd, bwd) > budget or t > longest:
                     break
                 target = front[(t, False)]
-                seg = (s, t, True)
-                room = budget - local
-                for held, (cost, *_rest) in points:
-                    if held > room:
-                        break
-                    _offer(target, held + new_held, cost + ms, s, kept, held, seg)
+                for option in fronts[t - s - 1] if fronts is not None else (_NOTHING,):
+                    k, ku, saved, _ = option
+                    room = budget - max(fwd + k, bwd + ku)
+                    seg = (s, t, True, option)
+                    for held, (cost, *_rest) in points:
+                        if held > room:
+                            break
+                        _offer(target, held + new_held + k, cost + ms - saved, s, kept, held, seg)
         for flag in (False, True):
             _prune(front[(s + 1, flag)])
     ends = [
@@ -179,20 +274,38 @@ def _solve_exact(model: CostModel, budget: int) -> tuple[Segment, ...] | None:
     segments: list[Segment] = []
     pos = n
     while pos > 0:
-        _, prev, prev_flag, prev_held, (start, stop, checkpointed) = front[(pos, flag)][held]
-        segments.append(Segment(start, stop, checkpointed))
+        _, prev, prev_flag, prev_held, (start, stop, checkpointed, option) = front[(pos, flag)][held]
+        segments.append(_segment(model, start, stop, checkpointed, option))
         pos, flag, held = prev, prev_flag, prev_held
     return _merge_plain(segments[::-1])
 
 
+_Seg = tuple[int, int, bool, Option]
+
+
+def _segment(model: CostModel, start: int, stop: int, checkpointed: bool, option: Option) -> Segment:
+    """The segment, its kept ops named by their place among the segment's ops."""
+    k, _, saved, ops = option
+    if not ops:
+        return Segment(start, stop, checkpointed)
+    offsets = [0]
+    for i in range(start, stop):
+        offsets.append(offsets[-1] + len(model.c[i].ops))
+    keep = tuple(
+        f"{offsets[op.stage - start] + op.index}:{op.op}"
+        for op in sorted(ops, key=lambda o: (o.stage, o.index))
+    )
+    return Segment(start, stop, checkpointed, keep=keep, kept_bytes=k, kept_ms=saved)
+
+
 def _offer(
-    target: dict[int, tuple[float, int, bool, int, tuple[int, int, bool]]],
+    target: dict[int, tuple[float, int, bool, int, _Seg]],
     held: int,
     cost: float,
     prev: int,
     prev_flag: bool,
     prev_held: int,
-    seg: tuple[int, int, bool],
+    seg: _Seg,
 ) -> None:
     """Keep the cheaper way to reach ``held``; ties go to the earlier start (deterministic)."""
     old = target.get(held)
@@ -200,7 +313,7 @@ def _offer(
         target[held] = (cost, prev, prev_flag, prev_held, seg)
 
 
-def _prune(points: dict[int, tuple[float, int, bool, int, tuple[int, int, bool]]]) -> None:
+def _prune(points: dict[int, tuple[float, int, bool, int, _Seg]]) -> None:
     """Drop points that hold more and recompute no less than another point."""
     best = math.inf
     for held in sorted(points):
@@ -213,7 +326,7 @@ def _prune(points: dict[int, tuple[float, int, bool, int, tuple[int, int, bool]]
 def _merge_plain(segments: list[Segment]) -> tuple[Segment, ...]:
     out: list[Segment] = []
     for seg in segments:
-        if out and not seg.checkpoint and not out[-1].checkpoint:
+        if out and not seg.checkpoint and not out[-1].checkpoint:  # plain ones keep no ops
             out[-1] = Segment(out[-1].start, seg.stop, False)
         else:
             out.append(seg)
@@ -221,20 +334,25 @@ def _merge_plain(segments: list[Segment]) -> tuple[Segment, ...]:
 
 
 def min_feasible_budget(
-    costs: Sequence[StageCost], *, loss_bytes: int | None = None, spans: Sequence[int] | None = None
+    costs: Sequence[StageCost],
+    *,
+    loss_bytes: int | None = None,
+    spans: Sequence[int] | None = None,
+    keep_only: Sequence[Sequence[bool]] | None = None,
 ) -> int:
-    """The smallest budget any single-level plan fits (the planner's floor).
+    """The smallest budget any single-level plan fits (the planner's floor); with
+    ``keep_only`` (a named policy), any plan whose checkpointed segments keep those ops.
 
     Up to 64 stages it is exact and found directly (:func:`_min_peak_exact`); beyond that,
-    by bisection on the planner, to within 0.1% and rounded up.
+    or under a policy, by bisection on the planner, to within 0.1% and rounded up.
     """
     model = CostModel(costs, loss_bytes, spans)
-    if len(costs) <= _EXACT_UP_TO or importlib.util.find_spec("numpy") is None:
+    if keep_only is None and (len(costs) <= EXACT_UP_TO or importlib.util.find_spec("numpy") is None):
         return _min_peak_exact(model)
     lo, hi = 0, predict((Segment(0, len(costs), False),), costs, loss_bytes=loss_bytes).peak_bytes
     while hi - lo > max(1, hi // 1000):
         mid = (lo + hi) // 2
-        if _solve(costs, mid, loss_bytes, spans) is None:
+        if _solve(costs, mid, loss_bytes, spans, keep_only=keep_only) is None:
             lo = mid
         else:
             hi = mid
@@ -306,9 +424,15 @@ def budget_planner(request: PlanRequest) -> tuple[Segment, ...]:
         )
     budget = request.budget_bytes - request.static_bytes
     spans = request.checkpoint_spans
-    plan = _solve(request.costs, budget, request.loss_bytes, spans) if budget > 0 else None
+    plan = (
+        _solve(request.costs, budget, request.loss_bytes, spans, request.choose_ops, request.keep_only)
+        if budget > 0
+        else None
+    )
     if plan is None:
-        floor = min_feasible_budget(request.costs, loss_bytes=request.loss_bytes, spans=spans)
+        floor = min_feasible_budget(
+            request.costs, loss_bytes=request.loss_bytes, spans=spans, keep_only=request.keep_only
+        )
         floor += request.static_bytes
         model = CostModel(request.costs, request.loss_bytes)
         worst = max(range(request.n_stages), key=lambda i: request.costs[i].bwd_peak_bytes)  # type: ignore[index]

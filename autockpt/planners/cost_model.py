@@ -20,6 +20,15 @@ frees it earlier and peaks up to one output lower than predicted.
 The chain's input is one of the static bytes (with parameters and buffers) that every
 budget includes, so the first item never counts it again.
 
+A checkpointed segment may keep some ops' outputs (``Segment.keep``, chosen by
+``policy="auto"``): they are held from its forward to its backward, so the segment holds
+``K`` more bytes for everything after it, and its own forward and recompute events count
+all ``K`` (kept outputs accumulate in the forward, and wait in the recompute until their op
+is reached); its backward events count ``K_u``, the kept outputs autograd does not save,
+which are the ones torch may still cache there (a recompute stops once it has what backward
+needs). Both are upper bounds. The recompute of each stage is shorter by its kept ops'
+times, scaled so that they never add up to more than the stage's own forward time.
+
 :func:`memory_events` lists the events in the order a step runs them, each with its bytes
 and its time; :func:`predict` is their maximum and the recompute they add. The budget
 planner (:mod:`autockpt.planners.budget`) searches over plans with the same figures.
@@ -33,7 +42,78 @@ from dataclasses import dataclass
 from autockpt.plan import Segment
 from autockpt.planners.registry import StageCost
 
-__all__ = ["CostModel", "MemoryEvent", "Prediction", "assumed_loss_bytes", "memory_events", "predict"]
+__all__ = [
+    "CostModel",
+    "KeptOp",
+    "MemoryEvent",
+    "Prediction",
+    "assumed_loss_bytes",
+    "keepable_ops",
+    "kept_effect",
+    "memory_events",
+    "predict",
+]
+
+
+@dataclass(frozen=True)
+class KeptOp:
+    """An op a checkpointed segment may keep: stage, index among the stage's ops, name,
+    bytes, bytes autograd does not save anyway, and the recompute ms keeping it saves."""
+
+    stage: int
+    index: int
+    op: str
+    bytes: int
+    unsaved_bytes: int
+    ms: float
+
+
+def keepable_ops(cost: StageCost, stage: int, *, last: bool = False) -> list[KeptOp]:
+    """The ops of one stage a policy may keep and whose recompute takes time; their times
+    scaled so that they add up to no more than the stage's forward time. In a segment's
+    ``last`` stage, an op making the stage's output is no candidate: a recompute stops once
+    backward has what it needs, and nothing in the segment needs its output, so it is not
+    recomputed anyway."""
+    total = sum(o.ms for o in cost.ops)
+    scale = min(1.0, cost.fwd_ms / total) if total > 0 else 0.0
+    return [
+        KeptOp(stage, j, o.op, o.out_bytes, 0 if o.saved else o.out_bytes, o.ms * scale)
+        for j, o in enumerate(cost.ops)
+        if o.keepable and o.ms > 0 and not (last and o.output)
+    ]
+
+
+def kept_effect(seg: Segment, costs: Sequence[StageCost]) -> tuple[int, int, list[float]]:
+    """``(K, K_u, ms saved per stage)`` of a segment's kept ops (see the module docstring).
+
+    Raises:
+        ValueError: a kept op is not where the segment's op profile puts it.
+    """
+    saved = [0.0] * len(seg)
+    if not seg.keep:
+        return 0, 0, saved
+    ops = [(i, j, o) for i in range(seg.start, seg.stop) for j, o in enumerate(costs[i].ops)]
+    if not ops:  # a profile without ops: the segment's own figures, all of it unsaved
+        saved[-1] = seg.kept_ms
+        return seg.kept_bytes, seg.kept_bytes, saved
+    by_place = {
+        (k.stage, k.index): k
+        for i in range(seg.start, seg.stop)
+        for k in keepable_ops(costs[i], i, last=i == seg.stop - 1)
+    }
+    total = unsaved = 0
+    for key in seg.keep:
+        pos, _, name = key.partition(":")
+        i, j, o = ops[int(pos)] if pos.isdigit() and int(pos) < len(ops) else (None, None, None)
+        if o is None or o.op != name:
+            raise ValueError(f"{seg}: kept op {key!r} is not in its stages' op profile")
+        if not o.keepable:
+            raise ValueError(f"{seg}: kept op {key!r} is not one a policy may keep")
+        kept = by_place.get((i, j))  # type: ignore[arg-type]
+        total += o.out_bytes
+        unsaved += 0 if o.saved else o.out_bytes
+        saved[i - seg.start] += kept.ms if kept is not None else 0.0  # type: ignore[operator]
+    return total, unsaved, saved
 
 
 @dataclass(frozen=True)
@@ -140,10 +220,17 @@ class CostModel:
 
     def checkpoint_locals(self, s: int, kept: bool) -> Iterator[tuple[int, float]]:
         """``(local, recompute ms)`` of segments ``[s, t)`` for t = s+1, s+2, ..."""
-        local, ms = 0, 0.0
+        for forward, backward, ms in self.checkpoint_split(s, kept):
+            yield max(forward, backward), ms
+
+    def checkpoint_split(self, s: int, kept: bool) -> Iterator[tuple[int, int, float]]:
+        """``(largest forward or recompute event, largest backward event, recompute ms)``
+        of segments ``[s, t)`` for t = s+1, s+2, ...: kept ops add to the two differently."""
+        forward = backward = 0
+        ms = 0.0
         for i, (first, refwd, rebwd) in enumerate(self.checkpoint_events(s, kept), start=s):
-            local, ms = max(local, first, refwd, rebwd), ms + self.c[i].fwd_ms
-            yield local, ms
+            forward, backward, ms = max(forward, first, refwd), max(backward, rebwd), ms + self.c[i].fwd_ms
+            yield forward, backward, ms
 
     def checkpoint_held(self, s: int, kept: bool) -> int:
         return self.c[s].in_bytes * (not kept)
@@ -169,11 +256,19 @@ def memory_events(
             span = (seg.start, seg.stop)
             stages = range(seg.start, seg.stop)
             events = list(zip(stages, model.checkpoint_events(seg.start, kept)))
-            forward += [MemoryEvent("forward", i, span, held + e[0], costs[i].fwd_ms) for i, e in events]
-            item = [MemoryEvent("recompute", i, span, held + e[1], costs[i].fwd_ms) for i, e in events]
-            item += [MemoryEvent("backward", i, span, held + e[2], costs[i].bwd_ms) for i, e in events[::-1]]
+            k, ku, saved = kept_effect(seg, costs)
+            forward += [MemoryEvent("forward", i, span, held + e[0] + k, costs[i].fwd_ms) for i, e in events]
+            item = [
+                MemoryEvent(
+                    "recompute", i, span, held + e[1] + k, max(0.0, costs[i].fwd_ms - saved[i - seg.start])
+                )
+                for i, e in events
+            ]
+            item += [
+                MemoryEvent("backward", i, span, held + e[2] + ku, costs[i].bwd_ms) for i, e in events[::-1]
+            ]
             backward.append(item)
-            held += model.checkpoint_held(seg.start, kept)
+            held += model.checkpoint_held(seg.start, kept) + k
             kept = False
         else:
             for i in range(seg.start, seg.stop):

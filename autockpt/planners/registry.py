@@ -42,6 +42,7 @@ class OpCost:
         keepable: an op policy may keep its output: it makes new memory, it is not
             random, and no later op of the stage writes into it (NOTE [Kept outputs
             changed in place] in ``execution/policies.py``).
+        output: its output is the stage's output (held by what comes next anyway).
     """
 
     op: str
@@ -50,6 +51,7 @@ class OpCost:
     flops: int
     saved: bool
     keepable: bool
+    output: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,10 @@ class PlanRequest:
             may hold (0: none may start there); ``None`` for no limit. The block walker's
             profile uses it: its blocks are checkpointed one at a time, and the code between
             blocks cannot be checkpointed at all.
+        choose_ops: also choose, per checkpointed segment, which ops' outputs to keep
+            (``policy="auto"``); needs costs with ops (``StageCost.ops``).
+        keep_only: per stage, per op, whether a named policy keeps its output: every
+            checkpointed segment then keeps exactly those, and the planner counts them.
     """
 
     stage_names: tuple[str, ...]
@@ -122,6 +128,8 @@ class PlanRequest:
     static_bytes: int = 0
     loss_bytes: int | None = None
     checkpoint_spans: tuple[int, ...] | None = None
+    choose_ops: bool = False
+    keep_only: tuple[tuple[bool, ...], ...] | None = None
 
     @property
     def n_stages(self) -> int:

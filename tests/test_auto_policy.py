@@ -1,0 +1,236 @@
+"""``policy="auto"``: the budget planner chooses segment boundaries and, per checkpointed
+segment, the ops whose outputs it keeps."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import autockpt
+from autockpt import Segment
+from autockpt.measure.step import measure_step
+from autockpt.planners import OpCost, StageCost
+from autockpt.planners.budget import _solve
+from autockpt.planners.cost_model import keepable_ops, predict
+
+
+@st.composite
+def costs_with_ops(draw: st.DrawFn, max_stages: int = 4) -> tuple[StageCost, ...]:
+    n = draw(st.integers(1, max_stages))
+    sizes = [draw(st.integers(1, 50)) for _ in range(n + 1)]
+    out = []
+    for i in range(n):
+        ops = tuple(
+            OpCost(
+                op=f"aten.op{j}.default",
+                out_bytes=draw(st.integers(0, 40)) * 1000,
+                ms=draw(st.floats(0.0, 4.0)),
+                flops=0,
+                saved=draw(st.booleans()),
+                keepable=draw(st.booleans()),
+                output=j == 1,
+            )
+            for j in range(draw(st.integers(0, 2)))
+        )
+        out.append(
+            StageCost(
+                fwd_ms=draw(st.floats(0.1, 10)),
+                bwd_ms=draw(st.floats(0.1, 10)),
+                in_bytes=sizes[i] * 1000,
+                out_bytes=sizes[i + 1] * 1000,
+                kept_bytes=draw(st.integers(0, 80)) * 1000,
+                keeps_input=draw(st.booleans()),
+                keeps_output=draw(st.booleans()),
+                fwd_peak_bytes=sizes[i + 1] * 1000 + draw(st.integers(0, 20)) * 1000,
+                bwd_peak_bytes=draw(st.integers(0, 60)) * 1000,
+                grad_bytes=draw(st.integers(0, 10)) * 1000,
+                ops=ops,
+            )
+        )
+    return tuple(out)
+
+
+def keep_choices(seg: Segment, costs: tuple[StageCost, ...]) -> list[Segment]:
+    """The segment with every subset of the ops a policy may keep (useless ones too)."""
+    if not seg.checkpoint:
+        return [seg]
+    offset, candidates = 0, []
+    for i in range(seg.start, seg.stop):
+        candidates += [
+            f"{offset + k.index}:{k.op}" for k in keepable_ops(costs[i], i, last=i == seg.stop - 1)
+        ]
+        offset += len(costs[i].ops)
+    return [
+        Segment(seg.start, seg.stop, True, keep=tuple(subset))
+        for r in range(len(candidates) + 1)
+        for subset in itertools.combinations(candidates, r)
+    ]
+
+
+def every_plan(costs: tuple[StageCost, ...]) -> list[tuple[Segment, ...]]:
+    n, plans = len(costs), []
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        bounds = [0, *[i + 1 for i, c in enumerate(cuts) if c], n]
+        for flags in itertools.product([False, True], repeat=len(bounds) - 1):
+            segs = [Segment(a, b, f) for (a, b), f in zip(itertools.pairwise(bounds), flags)]
+            plans += list(itertools.product(*(keep_choices(s, costs) for s in segs)))
+    return plans
+
+
+@settings(max_examples=40, deadline=None)
+@given(costs_with_ops(), st.floats(0.2, 1.2))
+def test_the_op_choosing_planner_equals_exhaustive_search(
+    costs: tuple[StageCost, ...], fraction: float
+) -> None:
+    unwrapped = predict((Segment(0, len(costs), False),), costs).peak_bytes
+    budget = int(fraction * unwrapped)
+    feasible = [p for p in (predict(plan, costs) for plan in every_plan(costs)) if p.peak_bytes <= budget]
+    plan = _solve(costs, budget, choose_ops=True)
+    if not feasible:
+        assert plan is None
+        return
+    assert plan is not None
+    got = predict(plan, costs)
+    assert got.peak_bytes <= budget
+    best = min(p.recompute_ms for p in feasible)
+    assert math.isclose(got.recompute_ms, best, rel_tol=1e-9, abs_tol=1e-9)
+    without = _solve(costs, budget)  # whole segments: never faster
+    assert without is None or predict(without, costs).recompute_ms >= got.recompute_ms - 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(costs_with_ops(max_stages=8), st.floats(0.2, 1.0), st.floats(0.0, 0.5))
+def test_more_budget_never_means_more_recompute(
+    costs: tuple[StageCost, ...], fraction: float, extra: float
+) -> None:
+    unwrapped = predict((Segment(0, len(costs), False),), costs).peak_bytes
+    low = _solve(costs, int(fraction * unwrapped), choose_ops=True)
+    high = _solve(costs, int((fraction + extra) * unwrapped), choose_ops=True)
+    if low is not None:
+        assert high is not None
+        assert predict(high, costs).recompute_ms <= predict(low, costs).recompute_ms + 1e-9
+
+
+def gelu_blocks() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *(m for _ in range(6) for m in (nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64)))
+    )
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.8])
+def test_auto_plans_are_predicted_to_the_byte_and_keep_their_budget(fraction: float) -> None:
+    x = torch.randn(512, 64)
+    model = autockpt.auto_checkpoint(gelu_blocks(), budget=fraction, example_inputs=(x,), policy="auto")
+    plan = model.forward.plan
+    assert plan.policy == "auto" and any(s.keep for s in plan.segments)
+    assert all(not s.keep or s.checkpoint for s in plan.segments)
+    measure_step(model, (x,))  # the segments learn in their first forward
+    measured = measure_step(model, (x,))
+    assert plan.predicted_peak_bytes is not None and plan.budget_bytes is not None
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured
+    assert measured <= 1.05 * plan.budget_bytes
+    assert "kept ops" in str(plan) and "keeps the outputs of" in plan.explain()
+    again = autockpt.Plan.from_json(plan.to_json())
+    assert again == plan
+
+
+def test_auto_plans_train_exactly() -> None:
+    x = torch.randn(512, 64, dtype=torch.float64)
+    model = gelu_blocks().double()
+    plan = autockpt.make_plan(model, budget=0.7, example_inputs=(x,), policy="auto")
+    assert any(s.keep for s in plan.segments)
+    report = autockpt.verify(copy.deepcopy(model), (x,), segments=plan)
+    assert report.ok, str(report)
+
+
+def test_auto_needs_a_budget() -> None:
+    with pytest.raises(ValueError, match="policy='auto' lets the budget planner choose"):
+        autockpt.auto_checkpoint(gelu_blocks(), 3, policy="auto")
+
+
+def test_the_chosen_ops_are_not_recomputed() -> None:
+    from test_policies import OpCounter
+
+    x = torch.randn(512, 64)
+    model = gelu_blocks()
+    plan = autockpt.make_plan(model, budget=0.8, example_inputs=(x,), policy="auto")
+    whole = dataclasses.replace(
+        plan, segments=tuple(Segment(s.start, s.stop, s.checkpoint) for s in plan.segments)
+    )
+    counts = []
+    for p in (plan, whole):
+        applied = p.apply(copy.deepcopy(model))
+        applied(x).sum().backward()  # the first step learns
+        loss = applied(x).sum()
+        with OpCounter() as counter:
+            loss.backward()
+        counts.append(sum(counter.counts.values()))
+    kept = sum(len(s.keep) for s in plan.segments)
+    assert kept > 0 and counts[0] < counts[1]
+
+
+class Block(nn.Module):
+    """A small pre-norm decoder block: attention (SDPA, causal) and an MLP, residual adds."""
+
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (
+            z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            for z in self.qkv(self.ln1(x)).split(d, dim=-1)
+        )
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+def decoder(dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(5)], nn.LayerNorm(32)).to(dtype)
+
+
+@pytest.mark.parametrize("policy", ["recompute-all", "save-matmuls", "save-compute", "auto"])
+def test_every_policy_under_a_budget_is_predicted_and_kept_on_a_decoder(policy: str) -> None:
+    x = torch.randn(8, 64, 32)
+    model = autockpt.auto_checkpoint(decoder(), budget=0.9, example_inputs=(x,), policy=policy)
+    plan = model.forward.plan
+    assert plan.checkpointed_segments > 0
+    keeps = [bool(s.keep) for s in plan.segments if s.checkpoint]
+    if policy == "recompute-all":
+        assert not any(keeps)
+    elif policy != "auto":
+        assert all(keeps)  # the policy's ops, counted by the planner
+    measure_step(model, (x,))  # the segments learn in their first forward
+    measured = measure_step(model, (x,))
+    assert plan.predicted_peak_bytes is not None and plan.budget_bytes is not None
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured, (measured, str(plan))
+    assert measured <= 1.05 * plan.budget_bytes
+
+
+def test_a_named_policy_under_a_budget_trains_exactly_and_names_its_floor() -> None:
+    x = torch.randn(4, 32, 32, dtype=torch.float64)
+    plan = autockpt.make_plan(decoder(torch.float64), budget=0.9, example_inputs=(x,), policy="save-matmuls")
+    assert plan.policy == "save-matmuls" and any(s.keep for s in plan.segments)
+    report = autockpt.verify(decoder(torch.float64), (x,), segments=plan)
+    assert report.ok, str(report)
+    plain_floor = autockpt.make_plan(decoder(), budget=0.95, example_inputs=(x.float(),))
+    with pytest.raises(autockpt.PlanInfeasibleError) as err:
+        autockpt.make_plan(decoder(), budget=0.3, example_inputs=(x.float(),), policy="save-matmuls")
+    with pytest.raises(autockpt.PlanInfeasibleError) as plain:
+        autockpt.make_plan(decoder(), budget=0.3, example_inputs=(x.float(),))
+    assert plain_floor.checkpointed_segments > 0
+    assert err.value.min_budget_bytes > plain.value.min_budget_bytes  # kept outputs raise the floor
