@@ -1,0 +1,355 @@
+"""The memory/time frontier: autockpt's budget plans and op policies against the peers.
+
+For each model, one process measures side by side (interleaved step times, ratios to the
+unwrapped model; allocator-level peaks of one training step, parameters and inputs
+included):
+
+* autockpt with a budget at ``--budgets`` levels from the planner's floor to the unwrapped
+  peak, once recomputing whole segments and once with ``policy="auto"`` (the planner
+  chooses the ops each checkpointed segment keeps), and the default ``"sqrt"`` plan under
+  each named policy;
+* ``torch.utils.checkpoint.checkpoint_sequential`` at segment counts 2..16 and a few more
+  (models that are an ``nn.Sequential``);
+* per-block ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable``
+  for GPT-2, every residual block otherwise);
+* per-block selective checkpointing with torchtitan's op list (keep the outputs of
+  matmuls and attention, recompute the rest);
+* ``torch.compile`` with ``activation_memory_budget`` (``--compile-budgets``), with its
+  largest gradient difference from the eager unwrapped model.
+
+Writes ``frontier_<model>.json`` and ``frontier_<model>.png`` (peak ratio against time
+ratio, one series per system) into ``--out`` and prints a table, the run's noise (the
+spread of the unwrapped step's repeats) and whether autockpt's front dominates.
+
+    python benchmarks/frontier.py --model chain|gpt2|resnet50 [--out results] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import statistics
+import time
+import types
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import mib, setup
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential, create_selective_checkpoint_contexts
+
+import autockpt
+from autockpt.execution.policies import MATMUL_OPS
+from autockpt.planners.budget import min_feasible_budget
+
+Step = Callable[[nn.Module], torch.Tensor]  # model -> loss
+
+
+class Case:
+    """A model, its inputs and loss, and how its peers are built."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        torch.manual_seed(0)
+        if name == "chain":
+            self.title = "deep chain 64 x (Linear 512 + GELU), batch 2048"
+            # nested pairs, so that a "block" is a module; autockpt flattens nested Sequentials
+            self.model: nn.Module = nn.Sequential(
+                *[nn.Sequential(nn.Linear(512, 512), nn.GELU()) for _ in range(64)]
+            )
+            self.args: tuple[Any, ...] = (torch.randn(2048, 512),)
+            self.kwargs: dict[str, Any] = {}
+            self.loss_fn: Callable[[Any], torch.Tensor] = lambda out: out.square().mean()
+            self.block_names = [str(i) for i in range(64)]
+        elif name == "resnet50":
+            import torchvision
+
+            self.title = "resnet50 channels_last, batch 32, 64x64"
+            self.model = torchvision.models.resnet50().to(memory_format=torch.channels_last)
+            self.args = (torch.randn(32, 3, 64, 64).to(memory_format=torch.channels_last),)
+            self.kwargs = {}
+            self.loss_fn = lambda out: out.square().mean()
+            self.block_names = [
+                f"{layer}.{i}" for layer in ("layer1", "layer2", "layer3", "layer4")
+                for i in range(len(getattr(self.model, layer)))
+            ]  # fmt: skip
+        elif name == "gpt2":
+            self.title = "HF GPT2LMHeadModel, 12 layers, n_embd 256, 4 heads, batch 8 x 256, LM loss"
+            self.model = autockpt.models.gpt2_decoder(layers=12, embd=256, heads=4, positions=256)
+            ids = torch.randint(0, 50257, (8, 256))
+            self.args = ()
+            self.kwargs = {"input_ids": ids, "labels": ids}
+            self.loss_fn = lambda out: out.loss
+            self.block_names = [f"transformer.h.{i}" for i in range(12)]
+        else:
+            raise SystemExit(f"unknown --model {name!r}: chain, gpt2 or resnet50")
+        self.model.train()
+
+    def fresh(self) -> nn.Module:
+        return copy.deepcopy(self.model)
+
+    def sequential(self) -> nn.Sequential | None:
+        if isinstance(self.model, nn.Sequential):
+            return self.model
+        if self.name == "resnet50":
+            m, named = self.model, dict(self.model.named_modules())
+            blocks = [named[n] for n in self.block_names]
+            return nn.Sequential(m.conv1, m.bn1, m.relu, m.maxpool, *blocks, m.avgpool, nn.Flatten(), m.fc)  # type: ignore[arg-type]
+        return None
+
+
+def train(model: nn.Module, case: Case) -> None:
+    out = model(*case.args, **case.kwargs)  # kept through backward, as in a training loop
+    case.loss_fn(out).backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def peak(model: nn.Module, case: Case) -> int:
+    static = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    static += sum(t.numel() * t.element_size() for t in (*case.args, *case.kwargs.values()))
+    train(model, case)
+    train(model, case)
+    with autockpt.track_memory("cpu", tensors=False) as mem:
+        train(model, case)
+    return static + mem.peak_bytes
+
+
+class SequentialCheckpoint(nn.Module):
+    def __init__(self, body: nn.Sequential, k: int) -> None:
+        super().__init__()
+        self.body, self.k = body, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_sequential(self.body, self.k, x, use_reentrant=False)
+
+
+def _titan_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    keep = op.overloadpacket in MATMUL_OPS
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def per_block(model: nn.Module, blocks: list[nn.Module], selective: bool) -> nn.Module:
+    """Every block's forward under non-reentrant checkpoint (torchtitan's op list if selective)."""
+    for block in blocks:
+        inner = type(block).forward.__get__(block)
+        context = (
+            functools.partial(create_selective_checkpoint_contexts, _titan_policy) if selective else None
+        )
+
+        def forward(self: nn.Module, *a: Any, _inner: Any = inner, _ctx: Any = context, **k: Any) -> Any:
+            extra = {"context_fn": _ctx} if _ctx is not None else {}
+            return checkpoint(_inner, *a, use_reentrant=False, **extra, **k)
+
+        block.forward = types.MethodType(forward, block)  # type: ignore[method-assign]
+    return model
+
+
+def grads(model: nn.Module, case: Case) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    out = model(*case.args, **case.kwargs)
+    case.loss_fn(out).backward()
+    g = [p.grad.detach().clone() if p.grad is not None else torch.zeros(()) for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return g
+
+
+def systems(
+    case: Case, args: argparse.Namespace
+) -> list[tuple[str, str, Callable[[], nn.Module], dict[str, Any]]]:
+    """(system, setting, build, extra facts) for every point of the sweep."""
+    out: list[tuple[str, str, Callable[[], nn.Module], dict[str, Any]]] = []
+    example = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}
+    prof = autockpt.profile(case.model, case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    floor = min_feasible_budget(prof.costs, loss_bytes=prof.loss_bytes, spans=prof.checkpoint_spans)
+    floor += prof.static_bytes
+    top = autockpt.make_plan(case.model, budget=1.0, **example).predicted_peak_bytes or floor
+    levels = [int(floor + (top - floor) * i / (args.budgets - 1)) for i in range(args.budgets)]
+    for policy in ("recompute-all", "auto"):
+        for level in levels:
+            try:
+                plan = autockpt.make_plan(case.model, budget=level, policy=policy, **example)
+            except autockpt.PlanInfeasibleError:
+                continue
+            facts = {"predicted": plan.predicted_peak_bytes, "budget": level,
+                     "kept ops": sum(len(s.keep) for s in plan.segments)}  # fmt: skip
+            out.append((f"autockpt {policy}", mib(level), functools.partial(plan.apply, case.fresh()), facts))
+    for policy in ("recompute-all", "save-matmuls", "save-compute"):
+        build = functools.partial(autockpt.auto_checkpoint, case.fresh(), "sqrt", policy=policy,
+                                  example_inputs=case.args, example_kwargs=case.kwargs)  # fmt: skip
+        out.append((f"autockpt sqrt {policy}", "sqrt", build, {}))
+    body = case.sequential()
+    if body is not None:
+        n = len(body)
+        for k in sorted({*range(2, 17), 24, 32, n // 2, n}):
+            if 2 <= k <= n:
+                out.append(
+                    (
+                        "checkpoint_sequential",
+                        str(k),
+                        lambda k=k: SequentialCheckpoint(copy.deepcopy(body), k),
+                        {},
+                    )
+                )
+
+    def fresh_per_block(selective: bool) -> nn.Module:
+        model = case.fresh()
+        named = dict(model.named_modules())
+        return per_block(model, [named[n] for n in case.block_names], selective)
+
+    if case.name == "gpt2":
+
+        def hf() -> nn.Module:
+            model = case.fresh()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+            return model
+
+        out.append(("per-block checkpoint (HF)", "every block", hf, {}))
+    else:
+        out.append(("per-block checkpoint", "every block", lambda: fresh_per_block(False), {}))
+    out.append(("per-block selective (torchtitan ops)", "every block", lambda: fresh_per_block(True), {}))
+    for b in args.compile_budgets:
+
+        def compiled(b: float = b) -> nn.Module:
+            import torch._functorch.config as functorch_config
+
+            functorch_config.activation_memory_budget = b
+            return torch.compile(case.fresh())  # type: ignore[return-value]
+
+        out.append(("torch.compile activation_memory_budget", str(b), compiled, {"compile": b}))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="chain", choices=["chain", "gpt2", "resnet50"])
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budgets", type=int, default=10)
+    parser.add_argument("--compile-budgets", type=float, nargs="*", default=[0.5])
+    args = parser.parse_args()
+    setup()
+    warnings.simplefilter("ignore", UserWarning)
+    case = Case(args.model)
+    plain = case.fresh()
+    base_peak = peak(plain, case)
+    reference = grads(case.fresh(), case)
+    rows: list[dict[str, Any]] = []
+    spreads: list[float] = []
+    points = systems(case, args)
+    print(f"# {case.title}: unwrapped peak {mib(base_peak)} MiB; {len(points)} points")
+    for i, (system, setting, build, facts) in enumerate(points):
+        t0 = time.perf_counter()
+        try:
+            model = build()
+            p = peak(model, case)
+            times: list[list[float]] = [[], []]
+            for _ in range(args.repeats):
+                for j, m in enumerate((plain, model)):
+                    s = time.perf_counter()
+                    train(m, case)
+                    times[j].append(time.perf_counter() - s)
+            spreads.append(max(times[0]) / min(times[0]) - 1)
+            ratio = statistics.median(times[1]) / statistics.median(times[0])
+            row = {"system": system, "setting": setting, "peak": p, "peak ratio": p / base_peak,
+                   "time ratio": ratio, **facts}  # fmt: skip
+            if "compile" in facts:
+                diff = max(float((a - b).abs().max()) for a, b in zip(grads(model, case), reference))
+                row["max grad difference"] = diff
+        except Exception as err:  # a peer that fails is reported, not fatal
+            row = {"system": system, "setting": setting, "error": f"{type(err).__name__}: {str(err)[:100]}"}
+        rows.append(row)
+        shown = (f"peak {row['peak ratio']:.3f}x  time {row['time ratio']:.3f}x" if "error" not in row
+                 else row["error"])  # fmt: skip
+        print(
+            f"[{i + 1}/{len(points)}] {system} {setting}: {shown} ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    noise = statistics.median(spreads) if spreads else 0.0
+    report(case, base_peak, rows, noise, args.out)
+
+
+def _point(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "none"
+    return f"{r['system']} {r['setting']}: {r['peak ratio']:.3f}x peak, {r['time ratio']:.3f}x time"
+
+
+def report(case: Case, base_peak: int, rows: list[dict[str, Any]], noise: float, out: Path) -> None:
+    ok = [r for r in rows if "error" not in r]
+    ours = [r for r in ok if r["system"].startswith("autockpt")]
+    peers = [r for r in ok if not r["system"].startswith("autockpt")]
+    print(f"\n### {case.title}\n\nunwrapped peak {mib(base_peak)} MiB; noise (median spread of the unwrapped "
+          f"step's repeats): {100 * noise:.1f}%\n")  # fmt: skip
+    print("| system | setting | peak / unwrapped | time / unwrapped | note |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['system']} | {r['setting']} | fails | | {r['error']} |")
+            continue
+        note = []
+        if "kept ops" in r:
+            note.append(f"{r['kept ops']} ops kept, predicted {r['predicted'] / r['peak']:.3f}x of measured")
+        if "max grad difference" in r:
+            note.append(f"max grad difference {r['max grad difference']:.2e}")
+        figures = f"{r['peak ratio']:.3f} | {r['time ratio']:.3f}"
+        print(f"| {r['system']} | {r['setting']} | {figures} | {'; '.join(note)} |")
+    dominated = 0
+    for p in peers:
+        fits = [o["time ratio"] for o in ours if o["peak"] <= p["peak"]]
+        if fits and min(fits) <= p["time ratio"] * (1 + noise):
+            dominated += 1
+    print(
+        "\nautockpt at or below the peer's time (within the noise) at equal or lower peak: "
+        f"{dominated}/{len(peers)} peer points"
+    )
+    for level in (0.5, 0.7, 0.9):
+        best_ours = min(
+            (o for o in ours if o["peak ratio"] <= level), key=lambda o: o["time ratio"], default=None
+        )
+        best_peer = min(
+            (p for p in peers if p["peak ratio"] <= level), key=lambda p: p["time ratio"], default=None
+        )
+        print(f"at <= {level:.1f}x peak: autockpt {_point(best_ours)}; best peer {_point(best_peer)}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"frontier_{case.name}.json").write_text(
+        json.dumps({"model": case.title, "unwrapped_peak": base_peak, "noise": noise, "rows": rows}, indent=2)
+    )
+    try:
+        from autockpt.figures import pyplot, save
+    except ImportError:
+        return
+    plt = pyplot("frontier.py")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in dict.fromkeys(r["system"] for r in ok):
+        pts = sorted((r["peak ratio"], r["time ratio"]) for r in ok if r["system"] == system)
+        swept = system in ("autockpt recompute-all", "autockpt auto")
+        marker = "o" if system.startswith("autockpt") else "x"
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker=marker,
+            linestyle="-" if swept else "none",
+            label=system,
+        )
+    ax.plot([1.0], [1.0], marker="*", color="black", linestyle="none", label="unwrapped")
+    ax.set_xlabel("peak / unwrapped")
+    ax.set_ylabel("step time / unwrapped")
+    ax.set_title(case.title, fontsize=9)
+    ax.legend(fontsize=7)
+    files = save(fig, out / f"frontier_{case.name}", ("png",))
+    print("wrote " + ", ".join(str(f) for f in files))
+
+
+if __name__ == "__main__":
+    main()
