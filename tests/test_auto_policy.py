@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_budget import stage_costs
 from torch import nn
 
 import autockpt
@@ -24,38 +25,25 @@ from autockpt.planners.cost_model import keepable_ops, predict
 
 @st.composite
 def costs_with_ops(draw: st.DrawFn, max_stages: int = 4) -> tuple[StageCost, ...]:
-    n = draw(st.integers(1, max_stages))
-    sizes = [draw(st.integers(1, 50)) for _ in range(n + 1)]
-    out = []
-    for i in range(n):
-        ops = tuple(
-            OpCost(
-                op=f"aten.op{j}.default",
-                out_bytes=draw(st.integers(0, 40)) * 1000,
-                ms=draw(st.floats(0.0, 4.0)),
-                flops=0,
-                saved=draw(st.booleans()),
-                keepable=draw(st.booleans()),
-                output=j == 1,
-            )
-            for j in range(draw(st.integers(0, 2)))
+    """``test_budget``'s random stage costs, each with up to two ops."""
+    return tuple(
+        dataclasses.replace(
+            c,
+            ops=tuple(
+                OpCost(
+                    op=f"aten.op{j}.default",
+                    out_bytes=draw(st.integers(0, 40)) * 1000,
+                    ms=draw(st.floats(0.0, 4.0)),
+                    flops=0,
+                    saved=draw(st.booleans()),
+                    keepable=draw(st.booleans()),
+                    output=j == 1,
+                )
+                for j in range(draw(st.integers(0, 2)))
+            ),
         )
-        out.append(
-            StageCost(
-                fwd_ms=draw(st.floats(0.1, 10)),
-                bwd_ms=draw(st.floats(0.1, 10)),
-                in_bytes=sizes[i] * 1000,
-                out_bytes=sizes[i + 1] * 1000,
-                kept_bytes=draw(st.integers(0, 80)) * 1000,
-                keeps_input=draw(st.booleans()),
-                keeps_output=draw(st.booleans()),
-                fwd_peak_bytes=sizes[i + 1] * 1000 + draw(st.integers(0, 20)) * 1000,
-                bwd_peak_bytes=draw(st.integers(0, 60)) * 1000,
-                grad_bytes=draw(st.integers(0, 10)) * 1000,
-                ops=ops,
-            )
-        )
-    return tuple(out)
+        for c in draw(stage_costs(max_stages))
+    )
 
 
 def keep_choices(seg: Segment, costs: tuple[StageCost, ...]) -> list[Segment]:
