@@ -9,6 +9,7 @@ and a device synchronization on every checkpointed segment call.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -306,7 +307,12 @@ def test_check_true_measures_steps_that_hooks_guarded_by_is_recomputing_skip() -
     model.layers[5].register_forward_hook(
         lambda mod, args, out: None if autockpt.is_recomputing() else calls.append(1)
     )
-    autockpt.auto_checkpoint(model, budget=0.7, example_inputs=(x,), check=True)
+    with warnings.catch_warnings():
+        # The plan depends on measured stage times; on this 130 KiB model about one run in
+        # ten misses the budget by a few KiB and check=True warns. That is not what this test
+        # is about (tests/test_budget.py holds plans to their budgets).
+        warnings.simplefilter("ignore", UserWarning)
+        autockpt.auto_checkpoint(model, budget=0.7, example_inputs=(x,), check=True)
     assert calls == []
     model(x).sum().backward()
     assert calls == [1]
