@@ -88,6 +88,22 @@ def test_without_gradients_blocks_keep_their_cache() -> None:
     assert [len(k) for k in cache.keys] == [len(k) for k in cache_ref.keys] == [1] * 4
 
 
+def test_a_budget_profile_measures_blocks_without_the_models_cache() -> None:
+    """Measuring a block alone, then running it in the step, appended to the model's cache
+    twice: the step's attention reached into the measurement's freed graph."""
+    torch.manual_seed(0)
+    model, x = Decoder(), torch.randn(8, 16, 8)
+    ref = copy.deepcopy(model)
+    prof = autockpt.profile(model, (x,), loss_fn=lambda out: out[0].sum())
+    assert prof.walker == "blocks" and len(prof.costs) == 9  # 4 blocks and the 5 gaps around them
+    ck = autockpt.auto_checkpoint(model, budget=1.0, example_inputs=(x,), loss_fn=lambda out: out[0].sum())
+    out_ref, _ = ref(x, use_cache=False)
+    out_ref.sum().backward()
+    out, _ = ck(x)
+    out.sum().backward()
+    assert_same_state(ref, ck)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_hugging_face_decoders_train_exactly_on_a_padded_batch(arch: str) -> None:
     transformers = pytest.importorskip("transformers")

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autockpt.caches import without_caches
 from autockpt.chain import Chain, DryRun, Unit, build_chain
 from autockpt.errors import AutockptError
-from autockpt.execution.caches import without_caches
 from autockpt.execution.policies import OpPolicy
 from autockpt.execution.runtime import SegmentRuntime, build_runtime, run_segments
 from autockpt.measure.dry_run import probe_units

@@ -10,7 +10,7 @@ NOTE [Never two checkpointings]
 
 NOTE [Caches while training]
     Hugging Face's checkpointing also sets ``use_cache=False`` for the layers it wraps; the
-    checkpointed blocks here do the same per call (``execution/caches.py``). ``enable`` also
+    checkpointed blocks here do the same per call (``caches.py``). ``enable`` also
     sets ``model.config.use_cache = False`` while training, so no cache is built for layers
     that are not checkpointed either (what Hugging Face's forward does when its checkpointing
     is on), and ``disable`` puts the old value back.

@@ -6,7 +6,9 @@ head, masks built on the way) must be measured too, and only the model itself ca
 So the model runs one training step here, with three things added for the duration:
 
 * every block runs under ``torch.utils.checkpoint``, so the step holds little more than the
-  blocks' inputs (it never needs more memory than the unwrapped step);
+  blocks' inputs (it never needs more memory than the unwrapped step), and without a
+  key/value cache, as checkpointed blocks run (:mod:`autockpt.caches`: measuring a block
+  alone and then running it would otherwise append to the model's cache twice);
 * the first time a block is called, it is first measured alone on the inputs the model hands
   it (:func:`~autockpt.measure.profiling.measure_stage`, inputs requiring gradients exactly
   where the model's do);
@@ -42,6 +44,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
+from autockpt.caches import without_caches
 from autockpt.chain import Chain
 from autockpt.errors import AutockptError
 from autockpt.measure.losses import default_loss
@@ -145,6 +148,8 @@ def _measuring_forward(
     ops: bool,
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():  # measured as it will run: checkpointed, without a cache
+            args, kwargs, _ = without_caches(args, kwargs)
         if i not in alone and torch.is_grad_enabled():
             step.mark(f"measure {i}")  # the measurement's own allocations: a window to ignore
             alone[i], _ = measure_stage(
