@@ -134,11 +134,13 @@ class StageFigures:
         saved_bytes: what it keeps for backward when not checkpointed (parameters excluded;
             its input included when it saves it and the stage before does not count it).
         fwd_ms: its forward time, what recomputing it costs (measured for budget plans).
+        tail_ms: the part of ``fwd_ms`` a recompute ending with it skips (torch's early stop).
     """
 
     in_bytes: int
     saved_bytes: int
     fwd_ms: float | None = None
+    tail_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -298,6 +300,8 @@ class Plan:
             saved = sum(f.saved_bytes for f in own)
             if seg.checkpoint:
                 ms = [f.fwd_ms for f in own]
+                if ms[-1] is not None:  # the early stop skips the last stage's tail
+                    ms[-1] = max(0.0, ms[-1] - own[-1].tail_ms)
                 known = [m for m in ms if m is not None]
                 cost = f" ({sum(known):.2f} ms)" if len(known) == len(ms) else ""
                 lines.append(

@@ -244,7 +244,9 @@ def _figures(chain: Chain, budget: BudgetCosts | None) -> tuple[StageFigures, ..
         for c in (by_name[name] for name in chain.names):
             own_input = c.in_bytes if c.keeps_input and not counted else 0
             out.append(
-                StageFigures(c.in_bytes, c.kept_bytes + own_input + c.out_bytes * c.keeps_output, c.fwd_ms)
+                StageFigures(
+                    c.in_bytes, c.kept_bytes + own_input + c.out_bytes * c.keeps_output, c.fwd_ms, c.tail_ms
+                )
             )
             counted = c.keeps_output
         return tuple(out)

@@ -107,11 +107,27 @@ def test_more_budget_never_means_more_recompute(
         assert predict(high, costs).recompute_ms <= predict(low, costs).recompute_ms + 1e-9
 
 
+class MLPBlock(nn.Module):
+    """A residual pre-norm MLP: one stage, so only kept ops save recompute inside it (on a
+    flat Linear/GELU chain, segments ending with a Linear already recompute almost nothing;
+    see test_early_stop.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.act, self.fc2 = (
+            nn.LayerNorm(64),
+            nn.Linear(64, 256),
+            nn.GELU(),
+            nn.Linear(256, 64),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
 def gelu_blocks() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(
-        *(m for _ in range(6) for m in (nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64)))
-    )
+    return nn.Sequential(*(MLPBlock() for _ in range(6)))
 
 
 @pytest.mark.parametrize("fraction", [0.5, 0.8])

@@ -27,9 +27,11 @@ MiB = 2**20
 def stage_costs(draw: st.DrawFn, max_stages: int = 8) -> tuple[StageCost, ...]:
     n = draw(st.integers(1, max_stages))
     sizes = [draw(st.integers(1, 50)) for _ in range(n + 1)]
+    fwd = [draw(st.floats(0.1, 10)) for _ in range(n)]
     return tuple(
         StageCost(
-            fwd_ms=draw(st.floats(0.1, 10)),
+            fwd_ms=fwd[i],
+            tail_ms=draw(st.floats(0, fwd[i])),
             bwd_ms=draw(st.floats(0.1, 10)),
             in_bytes=sizes[i] * 1000,
             out_bytes=sizes[i + 1] * 1000,
@@ -249,8 +251,8 @@ def test_predicted_peak_matches_measured_and_the_budget_holds(name: str) -> None
 def test_profile_bytes_are_exact_and_repeatable_while_times_may_vary() -> None:
     model, x = chain(), torch.randn(8, WIDTH)
     first, second = autockpt.profile(model, (x,)), autockpt.profile(model, (x,))
-    strip = [dataclasses.replace(c, fwd_ms=0.0, bwd_ms=0.0) for c in first.costs]
-    assert strip == [dataclasses.replace(c, fwd_ms=0.0, bwd_ms=0.0) for c in second.costs]
+    strip = [dataclasses.replace(c, fwd_ms=0.0, bwd_ms=0.0, tail_ms=0.0) for c in first.costs]
+    assert strip == [dataclasses.replace(c, fwd_ms=0.0, bwd_ms=0.0, tail_ms=0.0) for c in second.costs]
     activation = 8 * WIDTH * 4
     assert first.costs[1].in_bytes == activation  # GELU's input
     assert first.costs[0].keeps_input and first.costs[1].keeps_input  # Linear and GELU save inputs
@@ -294,7 +296,8 @@ def test_infeasible_budget_through_the_api() -> None:
 def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> None:
     import random
 
-    from autockpt.planners.budget import _solve_dense, _solve_exact
+    from autockpt.planners.budget import _solve_exact
+    from autockpt.planners.budget_grid import solve_on_grid
 
     rng = random.Random(1)
     costs = tuple(
@@ -305,7 +308,7 @@ def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> N
     unwrapped = predict((Segment(0, 80, False),), costs).peak_bytes
     floor = min_feasible_budget(costs)
     budget = (floor + unwrapped) // 2
-    grid, exact = _solve_dense(CostModel(costs), budget), _solve_exact(CostModel(costs), budget)
+    grid, exact = solve_on_grid(CostModel(costs), budget), _solve_exact(CostModel(costs), budget)
     assert grid is not None and exact is not None
     assert predict(grid, costs).peak_bytes <= budget
     assert (

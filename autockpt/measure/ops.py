@@ -10,7 +10,7 @@ that see what autograd keeps.
 Times are per op around its kernel (host clock on CPU, CUDA events on a GPU), the smaller of
 two runs; they include the dispatch overhead of the mode itself, so tiny ops read high.
 On the meta device nothing runs: times are nominal from FLOPs and output bytes, as stage
-times are (``profiling._nominal_times``).
+times are (``timing.nominal_times``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autockpt.measure.timing import NOMINAL_BYTES_PER_MS, NOMINAL_FLOPS_PER_MS
 from autockpt.planners import OpCost
 from autockpt.tensors import requiring_grad, storage_key, storage_sizes, tensors_in, written_storages
 
@@ -30,9 +31,6 @@ try:  # ops selective checkpointing never asks its policy about, so positions li
     from torch.utils.checkpoint import SAC_IGNORED_OPS as _IGNORED
 except ImportError:  # pragma: no cover - older torch
     _IGNORED = {torch.ops.aten.detach.default}
-
-_NOMINAL_FLOPS_PER_MS = 1e9  # as profiling's meta stage times: 1 TFLOP/s
-_NOMINAL_BYTES_PER_MS = 1e9  # and 1 TB/s
 
 
 def op_name(op: torch._ops.OpOverload) -> str:
@@ -88,7 +86,7 @@ class _Recorder(TorchDispatchMode):
     def times(self) -> list[float]:
         if self.meta:
             return [
-                r["flops"] / _NOMINAL_FLOPS_PER_MS + r["out_bytes"] / _NOMINAL_BYTES_PER_MS for r in self.rows
+                r["flops"] / NOMINAL_FLOPS_PER_MS + r["out_bytes"] / NOMINAL_BYTES_PER_MS for r in self.rows
             ]
         if self.cuda:
             torch.cuda.synchronize()

@@ -9,11 +9,8 @@ medians of repeats and stay noisy. The run is invisible like the dry run: buffer
 
 from __future__ import annotations
 
-import itertools
 import json
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +21,7 @@ from autockpt.chain import Chain
 from autockpt.measure.losses import LossFn, step_loss
 from autockpt.measure.memory import Windows
 from autockpt.measure.ops import measure_ops
+from autockpt.measure.timing import StageRun, nominal_times, stage_times
 from autockpt.plan import Plan, Segment
 from autockpt.planners import StageCost
 from autockpt.planners.cost_model import memory_events
@@ -41,9 +39,6 @@ from autockpt.timeline import Curve, MemoryTimeline, predicted_curve
 from autockpt.units import format_bytes
 
 __all__ = ["Profile", "StageRun", "measure_loss", "measure_stage", "profile_chain"]
-
-StageRun = Callable[[Any], Any]
-"""What is measured: a stage, or anything else that maps the value before to the value after."""
 
 
 @dataclass(frozen=True)
@@ -139,13 +134,24 @@ class Profile:
         )
 
     def __str__(self) -> str:
-        head = ("stage", "fwd ms", "bwd ms", "input", "kept", "fwd peak", "bwd peak", "param grads")
+        head = (
+            "stage",
+            "fwd ms",
+            "tail ms",
+            "bwd ms",
+            "input",
+            "kept",
+            "fwd peak",
+            "bwd peak",
+            "param grads",
+        )
         rows = [head]
         for name, c in zip(self.stage_names, self.costs):
             rows.append(
                 (
                     name,
                     f"{c.fwd_ms:.2f}",
+                    f"{c.tail_ms:.2f}",
                     f"{c.bwd_ms:.2f}",
                     format_bytes(c.in_bytes),
                     format_bytes(c.kept_bytes),
@@ -221,9 +227,10 @@ def measure_stage(
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     params = [p for p in params if p.requires_grad]
     if device.type == "meta":
-        fwd_ms, bwd_ms = _nominal_times(stage, x, params, grads_as_given)
-    else:
-        fwd_ms, bwd_ms = _times(stage, x, params, repeats, device, grads_as_given)  # also warms up
+        fwd_ms, bwd_ms = nominal_times(stage, x, params, grads_as_given)
+        tail_ms = 0.0  # unknown: a recompute counts the whole stage
+    else:  # also warms up
+        fwd_ms, bwd_ms, tail_ms = stage_times(stage, x, params, repeats, device, grads_as_given)
     op_costs = measure_ops(stage, x, device, grads_as_given=grads_as_given) if ops else ()
     saved: dict[int, int] = {}
 
@@ -264,6 +271,7 @@ def measure_stage(
     cost = StageCost(
         fwd_ms=fwd_ms,
         bwd_ms=bwd_ms,
+        tail_ms=tail_ms,
         in_bytes=storage_bytes(in_tensors),
         out_bytes=out_bytes,
         kept_bytes=max(0, fwd_net - out_bytes),
@@ -285,90 +293,6 @@ def _seeded_loss(outs: list[torch.Tensor], device: torch.device) -> tuple[torch.
         seeds.append(torch.ones_like(t))
         total = total + (t * seeds[-1]).sum()
     return total, seeds
-
-
-# Nominal speeds for meta profiles: relative stage costs are what the planner needs.
-_NOMINAL_FLOPS_PER_MS = 1e9  # 1 TFLOP/s
-_NOMINAL_BYTES_PER_MS = 1e9  # 1 TB/s
-
-
-def _nominal_times(
-    stage: StageRun, x: Any, params: list[nn.Parameter], grads_as_given: bool
-) -> tuple[float, float]:
-    """Forward and backward "ms" of a meta stage from its FLOPs and output bytes.
-
-    Nothing runs on a meta tensor, so there is no time to measure; FLOPs (matmuls and
-    convolutions, from ``FlopCounterMode``) at a nominal 1 TFLOP/s, plus writing the output
-    at a nominal 1 TB/s so that elementwise stages are not free, rank recompute costs well
-    enough for the planner. Absolute figures mean nothing.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    inputs, _ = requiring_grad(x, as_given=grads_as_given)
-    with FlopCounterMode(display=False) as fwd_counter:
-        out = stage(inputs)
-    outs = [t for t in tensors_in(out) if t.requires_grad]
-    moved = storage_bytes(tensors_in(out)) / _NOMINAL_BYTES_PER_MS
-    with FlopCounterMode(display=False) as bwd_counter:
-        if outs:
-            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-    for p in params:
-        p.grad = None
-    fwd = fwd_counter.get_total_flops() / _NOMINAL_FLOPS_PER_MS + moved
-    bwd = bwd_counter.get_total_flops() / _NOMINAL_FLOPS_PER_MS + 2 * moved
-    return fwd, bwd
-
-
-class _Clock:
-    """Milliseconds between marks: ``perf_counter`` on CPU, CUDA events on a GPU (whose
-    kernels run asynchronously, so host time would measure only the launches)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list[Any] = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def spans(self) -> list[float]:
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) for a, b in itertools.pairwise(self.marks)]
-        return [(b - a) * 1e3 for a, b in itertools.pairwise(self.marks)]
-
-
-def _times(
-    stage: StageRun,
-    x: Any,
-    params: list[nn.Parameter],
-    repeats: int,
-    device: torch.device,
-    grads_as_given: bool,
-) -> tuple[float, float]:
-    """Median forward and backward ms over ``repeats`` runs, after one warm-up run."""
-    fwd, bwd = [], []
-    for i in range(max(1, repeats) + 1):
-        inputs, _ = requiring_grad(x, as_given=grads_as_given)
-        clock = _Clock(device)
-        clock.mark()
-        out = stage(inputs)
-        clock.mark()
-        outs = [t for t in tensors_in(out) if t.requires_grad]
-        if outs:
-            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-        clock.mark()
-        f, b = clock.spans()
-        if i > 0:  # the first run allocates lazily and creates kernels
-            fwd.append(f)
-            bwd.append(b)
-        for p in params:
-            p.grad = None
-    return statistics.median(fwd), statistics.median(bwd)
 
 
 def profile_chain(

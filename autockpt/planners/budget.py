@@ -9,11 +9,13 @@ be given by hand).
 
 Algorithm: dynamic programming over positions keeping, per position, the Pareto front of
 (held bytes, recompute time). Exact for up to 64 stages. Beyond that (when numpy is
-importable) the held bytes live on a grid of 1/128 of the budget, rounded *up* so
-predictions stay safe, checkpointed segments are at most 4 sqrt(n) stages long, and each
-transition is one vectorised update; the optimum may then be missed by the rounding.
+importable) the front is thinned to a grid of 1/128 of the budget: per grid cell, the
+least-recompute path whose held bytes fall in it, its bytes kept exact so every budget
+check is exact; checkpointed segments are at most 4 sqrt(n) stages long, and each
+transition is one vectorised update. The optimum may then be missed where a path with
+fewer bytes but more recompute was merged away in a cell.
 Complexity O(n * L * G) for n stages, segments of at most L stages and G grid points;
-1000 stages plan in about a second on 2 cores (``benchmarks/planner_scaling.py``).
+1000 stages plan in about 4 s on 2 cores (``benchmarks/planner_scaling.py``).
 
 Choosing ops too (``policy="auto"``, :attr:`PlanRequest.choose_ops`, profiles with ops, up
 to 64 stages): each checkpointed segment ``[s, t)`` may keep any subset of the keepable ops
@@ -38,32 +40,19 @@ from collections.abc import Sequence
 
 from autockpt.errors import PlanInfeasibleError
 from autockpt.plan import Segment
+from autockpt.planners.budget_grid import EXACT_UP_TO, longest_segment, merge_plain, solve_on_grid
 from autockpt.planners.cost_model import CostModel, KeptOp, keepable_ops, predict
 from autockpt.planners.registry import PlanRequest, StageCost, register_planner
 from autockpt.units import format_bytes
 
 __all__ = ["EXACT_UP_TO", "budget_planner", "min_feasible_budget"]
 
-EXACT_UP_TO = 64
-_RESOLUTION = 128
 _FRONT_CAP = 64  # op choices per segment before near-equal ones are merged
 _FRONT_RATIO = 1.05
 
 # one way a checkpointed segment may keep ops: (K, K_u, M, the ops)
 Option = tuple[int, int, float, tuple[KeptOp, ...]]
 _NOTHING: Option = (0, 0, 0.0, ())
-
-
-def _max_segment(n: int) -> int:
-    """Longest checkpointed segment considered: all of them when exact, else 4 sqrt(n)."""
-    return n if n <= EXACT_UP_TO else max(16, 4 * math.isqrt(n))
-
-
-def _longest(model: CostModel, s: int) -> int:
-    """One past the last stage a checkpointed segment starting at ``s`` may end at."""
-    n = len(model.c)
-    span = _max_segment(n) if model.spans is None else min(model.spans[s], _max_segment(n))
-    return s + span
 
 
 def _solve(
@@ -79,7 +68,7 @@ def _solve(
     ``keep_only``, every checkpointed segment keeps those ops."""
     model = CostModel(costs, loss_bytes, spans)
     if len(costs) > EXACT_UP_TO and importlib.util.find_spec("numpy") is not None:
-        return _solve_dense(model, budget)
+        return solve_on_grid(model, budget)
     fixed = None if keep_only is None else [list(m) for m in keep_only]
     return _solve_exact(model, budget, choose_ops, fixed)  # exact; slow on long chains without numpy
 
@@ -89,14 +78,14 @@ def _fixed_fronts(model: CostModel, s: int, stop: int, keep_only: list[list[bool
     fronts, option = [], _NOTHING
     for i in range(s, stop):
         timed = {k.index: k for k in keepable_ops(model.c[i], i)}
-        last = {k.index for k in keepable_ops(model.c[i], i, last=True)}
+        last = {k.index: k for k in keepable_ops(model.c[i], i, last=True)}
         ending = option
         for j, o in enumerate(model.c[i].ops):
             if not (keep_only[i][j] and o.keepable):
                 continue
             op = timed.get(j, KeptOp(i, j, o.op, o.out_bytes, 0 if o.saved else o.out_bytes, 0.0))
             option = _with(option, op)
-            ending = _with(ending, op if j in last else dataclasses.replace(op, ms=0.0))
+            ending = _with(ending, last.get(j, dataclasses.replace(op, ms=0.0)))
         fronts.append([ending])
     return fronts
 
@@ -142,74 +131,6 @@ def _bucket(n: int) -> int:
     return 0 if n <= 0 else 1 + int(math.log(n) / math.log(_FRONT_RATIO))
 
 
-def _solve_dense(model: CostModel, budget: int) -> tuple[Segment, ...] | None:
-    """The same DP on a grid of held bytes (rounded up), vectorised with numpy."""
-    import numpy as np
-
-    costs = model.c
-    n = len(costs)
-    quantum = max(1, math.ceil(budget / _RESOLUTION))
-    nb = budget // quantum + 1
-    cost = np.full((2, n + 1, nb), np.inf)
-    prev_pos = np.full((2, n + 1, nb), -1, dtype=np.int64)
-    prev_flag = np.zeros((2, n + 1, nb), dtype=np.int8)
-    prev_bucket = np.zeros((2, n + 1, nb), dtype=np.int64)
-    prev_ck = np.zeros((2, n + 1, nb), dtype=np.int8)
-    buckets = np.arange(nb)
-    cost[1, 0, 0] = 0.0  # the chain's input is held already: it is a static byte
-
-    def relax(
-        src_flag: int, s: int, limit: int, shift: int, dst_flag: int, t: int, extra: float, ck: int
-    ) -> None:
-        stop = min(limit + 1, nb - shift)
-        if stop <= 0:
-            return
-        src = cost[src_flag, s, :stop] + extra
-        window = slice(shift, shift + stop)
-        dst = cost[dst_flag, t, window]
-        better = src < dst
-        if better.any():
-            dst[better] = src[better]
-            prev_pos[dst_flag, t, window][better] = s
-            prev_flag[dst_flag, t, window][better] = src_flag
-            prev_bucket[dst_flag, t, window][better] = buckets[:stop][better]
-            prev_ck[dst_flag, t, window][better] = ck
-
-    for s in range(n):
-        for flag in (0, 1):
-            row = cost[flag, s]
-            finite = np.nonzero(np.isfinite(row))[0]
-            if finite.size == 0:
-                continue
-            lowest = int(finite[0]) * quantum
-            local = model.plain_local(s, bool(flag))
-            if lowest + local <= budget:
-                shift = -(-model.held(s, bool(flag)) // quantum)
-                relax(flag, s, (budget - local) // quantum, shift, int(costs[s].keeps_output), s + 1, 0.0, 0)
-            shift = -(-model.checkpoint_held(s, bool(flag)) // quantum)
-            longest = _longest(model, s)
-            for t, (local, ms) in enumerate(model.checkpoint_locals(s, bool(flag)), start=s + 1):
-                if lowest + local > budget or t > longest:
-                    break
-                relax(flag, s, (budget - local) // quantum, shift, 0, t, ms, 1)
-    ends = [
-        (cost[f, n, b], b, f)
-        for f in (0, 1)
-        for b in np.nonzero(np.isfinite(cost[f, n]))[0]
-        if b * quantum + model.loss(bool(f)) <= budget
-    ]
-    if not ends:
-        return None
-    _, end_bucket, end_flag = min(ends)
-    segments: list[Segment] = []
-    pos, f, b = n, int(end_flag), int(end_bucket)
-    while pos > 0:
-        s = int(prev_pos[f, pos, b])
-        segments.append(Segment(s, pos, bool(prev_ck[f, pos, b])))
-        pos, f, b = s, int(prev_flag[f, pos, b]), int(prev_bucket[f, pos, b])
-    return _merge_plain(segments[::-1])
-
-
 def _solve_exact(
     model: CostModel, budget: int, choose_ops: bool = False, keep_only: list[list[bool]] | None = None
 ) -> tuple[Segment, ...] | None:
@@ -240,7 +161,7 @@ def _solve_exact(
                     break
                 _offer(target, held + held_plain, cost, s, kept, held, (s, s + 1, False, _NOTHING))
             new_held = model.checkpoint_held(s, kept)
-            longest = min(_longest(model, s), n)
+            longest = min(longest_segment(model, s), n)
             fronts = (
                 _op_fronts(model, s, longest)
                 if choose_ops
@@ -277,7 +198,7 @@ def _solve_exact(
         _, prev, prev_flag, prev_held, (start, stop, checkpointed, option) = front[(pos, flag)][held]
         segments.append(_segment(model, start, stop, checkpointed, option))
         pos, flag, held = prev, prev_flag, prev_held
-    return _merge_plain(segments[::-1])
+    return merge_plain(segments[::-1])
 
 
 _Seg = tuple[int, int, bool, Option]
@@ -321,16 +242,6 @@ def _prune(points: dict[int, tuple[float, int, bool, int, _Seg]]) -> None:
             del points[held]
         else:
             best = points[held][0]
-
-
-def _merge_plain(segments: list[Segment]) -> tuple[Segment, ...]:
-    out: list[Segment] = []
-    for seg in segments:
-        if out and not seg.checkpoint and not out[-1].checkpoint:  # plain ones keep no ops
-            out[-1] = Segment(out[-1].start, seg.stop, False)
-        else:
-            out.append(seg)
-    return tuple(out)
 
 
 def min_feasible_budget(
@@ -387,7 +298,7 @@ def _min_peak_exact(model: CostModel) -> int:
             for held, peak in points:
                 offer(target, held + held_plain, max(peak, held + plain))
             new_held = model.checkpoint_held(s, kept)
-            longest = _longest(model, s)
+            longest = longest_segment(model, s)
             for t, (local, _) in enumerate(model.checkpoint_locals(s, kept), start=s + 1):
                 if t > longest:
                     break

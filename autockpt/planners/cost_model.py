@@ -29,6 +29,12 @@ which are the ones torch may still cache there (a recompute stops once it has wh
 needs). Both are upper bounds. The recompute of each stage is shorter by its kept ops'
 times, scaled so that they never add up to more than the stage's own forward time.
 
+A recompute stops once it has saved again every tensor the first forward saved (torch's
+early stop), so a segment's last stage costs its forward time less its ``tail_ms``, the
+time after its last save: a segment ending with a Linear recomputes nothing of it (the
+Linear saves its input before it multiplies), one ending with a ReLU all of it (the ReLU
+saves its output). Kept ops of the last stage are scaled to fit in what remains.
+
 :func:`memory_events` lists the events in the order a step runs them, each with its bytes
 and its time; :func:`predict` is their maximum and the recompute they add. The budget
 planner (:mod:`autockpt.planners.budget`) searches over plans with the same figures.
@@ -52,6 +58,7 @@ __all__ = [
     "kept_effect",
     "memory_events",
     "predict",
+    "recompute_ms",
 ]
 
 
@@ -75,12 +82,19 @@ def keepable_ops(cost: StageCost, stage: int, *, last: bool = False) -> list[Kep
     backward has what it needs, and nothing in the segment needs its output, so it is not
     recomputed anyway."""
     total = sum(o.ms for o in cost.ops)
-    scale = min(1.0, cost.fwd_ms / total) if total > 0 else 0.0
+    recomputed = cost.fwd_ms - cost.tail_ms * last  # the early stop skips the last stage's tail
+    scale = max(0.0, min(1.0, recomputed / total)) if total > 0 else 0.0
     return [
         KeptOp(stage, j, o.op, o.out_bytes, 0 if o.saved else o.out_bytes, o.ms * scale)
         for j, o in enumerate(cost.ops)
         if o.keepable and o.ms > 0 and not (last and o.output)
     ]
+
+
+def recompute_ms(cost: StageCost, kept_ms: float, last: bool) -> float:
+    """How long a checkpointed stage's recompute takes: its forward, less what its kept ops
+    save and, when it ends the segment, less the tail the early stop skips."""
+    return max(0.0, cost.fwd_ms - cost.tail_ms * last - kept_ms)
 
 
 def kept_effect(seg: Segment, costs: Sequence[StageCost]) -> tuple[int, int, list[float]]:
@@ -230,7 +244,7 @@ class CostModel:
         ms = 0.0
         for i, (first, refwd, rebwd) in enumerate(self.checkpoint_events(s, kept), start=s):
             forward, backward, ms = max(forward, first, refwd), max(backward, rebwd), ms + self.c[i].fwd_ms
-            yield forward, backward, ms
+            yield forward, backward, ms - self.c[i].tail_ms  # the early stop skips the last stage's tail
 
     def checkpoint_held(self, s: int, kept: bool) -> int:
         return self.c[s].in_bytes * (not kept)
@@ -260,7 +274,11 @@ def memory_events(
             forward += [MemoryEvent("forward", i, span, held + e[0] + k, costs[i].fwd_ms) for i, e in events]
             item = [
                 MemoryEvent(
-                    "recompute", i, span, held + e[1] + k, max(0.0, costs[i].fwd_ms - saved[i - seg.start])
+                    "recompute",
+                    i,
+                    span,
+                    held + e[1] + k,
+                    recompute_ms(costs[i], saved[i - seg.start], i == seg.stop - 1),
                 )
                 for i, e in events
             ]

@@ -72,6 +72,9 @@ class StageCost:
             gradient (workspaces, input and parameter gradients included).
         grad_bytes: parameter gradients it leaves allocated after its backward.
         ops: its forward's ops in the order they run, when profiled with ``ops=True``.
+        tail_ms: the part of its forward after the last tensor it saves for backward: a
+            recompute ending with this stage stops before it (torch's early stop), so a
+            checkpointed segment's last stage costs ``fwd_ms - tail_ms`` to recompute.
     """
 
     fwd_ms: float
@@ -85,6 +88,7 @@ class StageCost:
     bwd_peak_bytes: int
     grad_bytes: int
     ops: tuple[OpCost, ...] = ()
+    tail_ms: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON (``ops`` only when profiled)."""
