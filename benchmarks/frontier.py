@@ -5,9 +5,9 @@ unwrapped model; allocator-level peaks of one training step, parameters and inpu
 included):
 
 * autockpt with a budget at ``--budgets`` levels from the planner's floor to the unwrapped
-  peak, once recomputing whole segments and once with ``policy="auto"`` (the planner
-  chooses the ops each checkpointed segment keeps), and the default ``"sqrt"`` plan under
-  each named policy;
+  peak, and at the measured peak of per-block checkpointing, once recomputing whole
+  segments and once with ``policy="auto"`` (the planner chooses the ops each checkpointed
+  segment keeps), and the default ``"sqrt"`` plan under each named policy;
 * ``torch.utils.checkpoint.checkpoint_sequential`` at segment counts 2..16 and a few more
   (models that are an ``nn.Sequential``);
 * per-block ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable``
@@ -152,6 +152,17 @@ def per_block(model: nn.Module, blocks: list[nn.Module], selective: bool) -> nn.
     return model
 
 
+def per_block_peer(case: Case) -> nn.Module:
+    """Every block checkpointed whole: Hugging Face's ``gradient_checkpointing_enable`` for
+    GPT-2, ``torch.utils.checkpoint`` around each block otherwise."""
+    model = case.fresh()
+    if case.name == "gpt2":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+        return model
+    named = dict(model.named_modules())
+    return per_block(model, [named[n] for n in case.block_names], selective=False)
+
+
 def grads(model: nn.Module, case: Case) -> list[torch.Tensor]:
     torch.manual_seed(1)
     out = model(*case.args, **case.kwargs)
@@ -173,6 +184,8 @@ def systems(
     floor += prof.static_bytes
     top = autockpt.make_plan(case.model, budget=1.0, **example).predicted_peak_bytes or floor
     levels = [int(floor + (top - floor) * i / (args.budgets - 1)) for i in range(args.budgets)]
+    # and one more at the measured peak of per-block checkpointing: same memory, who is faster
+    levels = sorted({*levels, peak(per_block_peer(case), case)})
     for policy in ("recompute-all", "auto"):
         for level in levels:
             try:
@@ -205,16 +218,8 @@ def systems(
         named = dict(model.named_modules())
         return per_block(model, [named[n] for n in case.block_names], selective)
 
-    if case.name == "gpt2":
-
-        def hf() -> nn.Module:
-            model = case.fresh()
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
-            return model
-
-        out.append(("per-block checkpoint (HF)", "every block", hf, {}))
-    else:
-        out.append(("per-block checkpoint", "every block", lambda: fresh_per_block(False), {}))
+    name = "per-block checkpoint (HF)" if case.name == "gpt2" else "per-block checkpoint"
+    out.append((name, "every block", functools.partial(per_block_peer, case), {}))
     out.append(("per-block selective (torchtitan ops)", "every block", lambda: fresh_per_block(True), {}))
     for b in args.compile_budgets:
 
