@@ -56,14 +56,24 @@ def storage_sizes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     return {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
 
 
+_WRITTEN_ARGUMENTS: dict[torch._ops.OpOverload, tuple[tuple[int, str], ...]] = {}
+
+
 def written_storages(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
     """Storage keys an op writes into: those of its arguments the schema marks as mutable
-    (``x.add_(y)``'s ``x``, ``out=`` tensors)."""
+    (``x.add_(y)``'s ``x``, ``out=`` tensors). Called for every op of a segment under a
+    policy, so each op's mutable arguments are read from its schema once."""
+    written = _WRITTEN_ARGUMENTS.get(op)
+    if written is None:
+        written = tuple(
+            (i, a.name)
+            for i, a in enumerate(op._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        _WRITTEN_ARGUMENTS[op] = written
     out = []
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
+    for i, name in written:
+        value = args[i] if i < len(args) else kwargs.get(name)
         for t in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(t, torch.Tensor):
                 out.append(storage_key(t))

@@ -169,6 +169,8 @@ class SelectiveRecompute:
         self.name = name
         self.policy = policy
         self.keep = keep  # "position:op" keys a plan chose (Segment.keep), instead of a policy
+        # the same as position -> op name, looked up per op without formatting a key
+        self.keep_at = {int(p): n for p, _, n in (k.partition(":") for k in keep or ())}
         self.segment = segment
         self.probed = False
         self.ops: dict[int, Any] = {}  # position -> op, as the first forward ran them
@@ -196,7 +198,11 @@ class SelectiveRecompute:
                     self.changed.add(pos)
             if probing:
                 self.ops[k] = op
-            wanted = f"{k}:{op}" in self.keep if self.keep is not None else self._wants(op)
+            if self.keep is not None:
+                name = self.keep_at.get(k)
+                wanted = name is not None and name == str(op)
+            else:
+                wanted = self._wants(op)
             if not wanted:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             for t in ctx.op_output if isinstance(ctx.op_output, (list, tuple)) else (ctx.op_output,):
