@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
 
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
@@ -42,3 +44,14 @@ def interleaved_medians(fns: Sequence[Callable[[], None]], repeats: int) -> list
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
+
+
+class SequentialCheckpoint(nn.Module):
+    """Runs a Sequential through torch's ``checkpoint_sequential`` with ``k`` segments."""
+
+    def __init__(self, body: nn.Sequential, k: int) -> None:
+        super().__init__()
+        self.body, self.k = body, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_sequential(self.body, self.k, x, use_reentrant=False)

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import mib, setup
+from _common import SequentialCheckpoint, mib, setup
 from torch import nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import autockpt
 from autockpt.execution.policies import MATMUL_OPS
@@ -120,15 +120,6 @@ def peak(model: nn.Module, case: Case) -> int:
     return static + mem.peak_bytes
 
 
-class SequentialCheckpoint(nn.Module):
-    def __init__(self, body: nn.Sequential, k: int) -> None:
-        super().__init__()
-        self.body, self.k = body, k
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint_sequential(self.body, self.k, x, use_reentrant=False)
-
-
 def _titan_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -152,23 +143,30 @@ def per_block(model: nn.Module, blocks: list[nn.Module], selective: bool) -> nn.
     return model
 
 
-def per_block_peer(case: Case) -> nn.Module:
-    """Every block checkpointed whole: Hugging Face's ``gradient_checkpointing_enable`` for
-    GPT-2, ``torch.utils.checkpoint`` around each block otherwise."""
+def per_block_peer(case: Case, selective: bool = False) -> nn.Module:
+    """Every block checkpointed: whole (Hugging Face's ``gradient_checkpointing_enable`` for
+    GPT-2, ``torch.utils.checkpoint`` around each block otherwise), or with torchtitan's op
+    list (``selective``)."""
     model = case.fresh()
-    if case.name == "gpt2":
+    if case.name == "gpt2" and not selective:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
         return model
     named = dict(model.named_modules())
-    return per_block(model, [named[n] for n in case.block_names], selective=False)
+    return per_block(model, [named[n] for n in case.block_names], selective)
+
+
+def compiled(case: Case, budget: float) -> nn.Module:
+    """The model under ``torch.compile`` with ``activation_memory_budget=budget`` (read when
+    the first call compiles it)."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = budget
+    return torch.compile(case.fresh())  # type: ignore[return-value]
 
 
 def compiled_plain(case: Case) -> nn.Module:
     """The model compiled with no activation memory budget (1.0), warmed up."""
-    import torch._functorch.config as functorch_config
-
-    functorch_config.activation_memory_budget = 1.0
-    model: nn.Module = torch.compile(case.fresh())  # type: ignore[assignment]
+    model = compiled(case, 1.0)
     train(model, case)
     return model
 
@@ -228,23 +226,13 @@ def systems(
                     )
                 )
 
-    def fresh_per_block(selective: bool) -> nn.Module:
-        model = case.fresh()
-        named = dict(model.named_modules())
-        return per_block(model, [named[n] for n in case.block_names], selective)
-
     name = "per-block checkpoint (HF)" if case.name == "gpt2" else "per-block checkpoint"
     out.append((name, "every block", functools.partial(per_block_peer, case), {}))
-    out.append(("per-block selective (torchtitan ops)", "every block", lambda: fresh_per_block(True), {}))
+    selective = functools.partial(per_block_peer, case, selective=True)
+    out.append(("per-block selective (torchtitan ops)", "every block", selective, {}))
     for b in args.compile_budgets:
-
-        def compiled(b: float = b) -> nn.Module:
-            import torch._functorch.config as functorch_config
-
-            functorch_config.activation_memory_budget = b
-            return torch.compile(case.fresh())  # type: ignore[return-value]
-
-        out.append(("torch.compile activation_memory_budget", str(b), compiled, {"compile": b}))
+        build = functools.partial(compiled, case, b)
+        out.append(("torch.compile activation_memory_budget", str(b), build, {"compile": b}))
     return out
 
 

@@ -24,9 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import interleaved_medians, mib, setup
+from _common import SequentialCheckpoint, interleaved_medians, mib, setup
 from torch import nn
-from torch.utils.checkpoint import checkpoint_sequential
 
 import autockpt
 from autockpt.plan import Segment
@@ -47,17 +46,6 @@ def models() -> dict[str, tuple[Callable[[], nn.Sequential], torch.Tensor]]:
             torch.randn(64, 3, 32, 32).to(memory_format=torch.channels_last),
         ),
     }
-
-
-class Sequential(nn.Module):
-    """Runs a Sequential through torch's checkpoint_sequential with k segments."""
-
-    def __init__(self, body: nn.Sequential, k: int) -> None:
-        super().__init__()
-        self.body, self.k = body, k
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint_sequential(self.body, self.k, x, use_reentrant=False)
 
 
 def loss_fn(out: torch.Tensor) -> torch.Tensor:
@@ -94,7 +82,7 @@ def run(name: str, factory: Callable[[], nn.Sequential], x: torch.Tensor, repeat
     rows: list[dict[str, object]] = []
     for k in range(1, n_modules + 1):
         try:
-            peak, ratio = measure(plain, Sequential(copy.deepcopy(plain), k), x, repeats)
+            peak, ratio = measure(plain, SequentialCheckpoint(copy.deepcopy(plain), k), x, repeats)
             rows.append({"kind": "checkpoint_sequential", "setting": k, "peak": peak, "overhead": ratio})
         except RuntimeError as err:
             rows.append(
