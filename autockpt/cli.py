@@ -249,7 +249,11 @@ def _snapshot(args: argparse.Namespace) -> Iterator[None]:
     if args.snapshot is None:
         yield
         return
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    # NOTE [Snapshots record allocations' stacks only]: with free-time stacks too (torch's
+    # default context="all"), torch 2.11 on CUDA fails the backward of any non-reentrant
+    # checkpoint that stops its recompute early ("SystemError: run_backward returned NULL
+    # without setting an exception"; plain torch.utils.checkpoint as well; seen on an H200).
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc", stacks="python")
     try:
         yield
         torch.cuda.memory._dump_snapshot(str(args.snapshot))

@@ -177,22 +177,35 @@ def test_profile_options_that_cannot_work_exit_2(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_cuda_snapshot_is_written_for_the_memory_viewer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", [["profile"], ["tradeoff", "--measure"]])
+def test_a_cuda_snapshot_is_written_for_the_memory_viewer(command: list[str], tmp_path: Path) -> None:
+    """``tradeoff --measure`` runs checkpointed backwards while the history records: with
+    free-time stacks they fail on torch 2.11 (NOTE [Snapshots record allocations' stacks only])."""
     import pickle
 
     from autockpt.cli import main
 
     out = tmp_path / "snap.pickle"
-    args = [
-        "profile",
-        "autockpt.models:NiN",
-        "--input",
-        "4x3x32x32",
-        "--device",
-        "cuda",
-        "--snapshot",
-        str(out),
-    ]
+    args = [*command, "autockpt.models:NiN", "--input", "4x3x32x32", "--device", "cuda"]
+    args += ["--snapshot", str(out)]
+    if command[0] == "tradeoff":
+        args += ["--out", str(tmp_path)]
     assert main(args) == 0
     snapshot = pickle.loads(out.read_bytes())
     assert snapshot["device_traces"] and any(e["action"] == "alloc" for e in snapshot["device_traces"][0])
+
+
+def test_a_snapshot_records_allocation_stacks_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Free-time stacks break checkpointed backwards on CUDA (NOTE [Snapshots record
+    allocations' stacks only]); this pins the recording the CUDA run above needs."""
+    import argparse
+
+    from autockpt import cli
+
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: None)
+    with cli._snapshot(argparse.Namespace(snapshot=tmp_path / "s.pickle")):
+        pass
+    assert calls[0]["context"] == "alloc" and calls[0]["stacks"] == "python"
+    assert calls[-1] == {"enabled": None}
