@@ -33,6 +33,7 @@ chains are planned without choosing ops.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import importlib.util
 import math
@@ -114,9 +115,23 @@ def _pareto(points: list[Option]) -> list[Option]:
     near-equal bytes when more than ``_FRONT_CAP`` remain."""
     points.sort(key=lambda p: (p[0], p[1], -p[2]))
     kept: list[Option] = []
+    # the kept points' 2-D front of (K_u low, M high) as a staircase: K_u ascending, M
+    # strictly ascending, so the most M at K_u <= u sits just left of bisect_right(u); a
+    # point is dominated when that M is at least its own (its K is no lower, by the order)
+    stair_u: list[int] = []
+    stair_m: list[float] = []
     for p in points:
-        if not any(q[1] <= p[1] and q[2] >= p[2] for q in kept):  # q[0] <= p[0] by the order
-            kept.append(p)
+        _, u, m, _ = p
+        i = bisect.bisect_right(stair_u, u)
+        if i and stair_m[i - 1] >= m:
+            continue
+        kept.append(p)
+        j = bisect.bisect_left(stair_u, u)
+        end = j
+        while end < len(stair_u) and stair_m[end] <= m:  # now below the new step
+            end += 1
+        stair_u[j:end] = [u]
+        stair_m[j:end] = [m]
     if len(kept) <= _FRONT_CAP:
         return kept
     buckets: dict[tuple[int, int], Option] = {}
@@ -161,6 +176,7 @@ def _solve_exact(
                     break
                 _offer(target, held + held_plain, cost, s, kept, held, (s, s + 1, False, _NOTHING))
             new_held = model.checkpoint_held(s, kept)
+            costed = [(held, value[0]) for held, value in points]
             longest = min(longest_segment(model, s), n)
             fronts = (
                 _op_fronts(model, s, longest)
@@ -177,10 +193,18 @@ def _solve_exact(
                     k, ku, saved, _ = option
                     room = budget - max(fwd + k, bwd + ku)
                     seg = (s, t, True, option)
-                    for held, (cost, *_rest) in points:
+                    extra, delta = new_held + k, ms - saved
+                    for held, cost in costed:  # _offer inlined: the hottest loop
                         if held > room:
                             break
-                        _offer(target, held + new_held + k, cost + ms - saved, s, kept, held, seg)
+                        at, total = held + extra, cost + delta
+                        old = target.get(at)
+                        if (
+                            old is None
+                            or total < old[0]
+                            or (total == old[0] and (s, kept) < (old[1], old[2]))
+                        ):
+                            target[at] = (total, s, kept, held, seg)
         for flag in (False, True):
             _prune(front[(s + 1, flag)])
     ends = [
