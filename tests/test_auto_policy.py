@@ -107,6 +107,25 @@ def test_more_budget_never_means_more_recompute(
         assert predict(high, costs).recompute_ms <= predict(low, costs).recompute_ms + 1e-9
 
 
+@settings(max_examples=60, deadline=None)
+@given(costs_with_ops(max_stages=8), st.floats(0.2, 1.2))
+def test_numpys_offers_plan_exactly_as_pure_python(costs: tuple[StageCost, ...], fraction: float) -> None:
+    """The DP's vectorised offers (every batch of pairs here, however small) give the same
+    plan, kept ops and back-pointers included, as the pure-Python offers."""
+    from unittest import mock
+
+    from autockpt.planners import budget
+
+    if budget._np is None:
+        pytest.skip("numpy is not installed")
+    limit = int(fraction * predict((Segment(0, len(costs), False),), costs).peak_bytes)
+    with mock.patch.object(budget, "_VECTOR_FROM", 1):
+        vectorised = _solve(costs, limit, choose_ops=True)
+    with mock.patch.object(budget, "_np", None):
+        plain = _solve(costs, limit, choose_ops=True)
+    assert vectorised == plain
+
+
 class MLPBlock(nn.Module):
     """A residual pre-norm MLP: one stage, so only kept ops save recompute inside it (on a
     flat Linear/GELU chain, segments ending with a Linear already recompute almost nothing;
