@@ -107,6 +107,48 @@ def test_more_budget_never_means_more_recompute(
         assert predict(high, costs).recompute_ms <= predict(low, costs).recompute_ms + 1e-9
 
 
+def _costly_chain(sac_ms: float) -> tuple[StageCost, ...]:
+    """Four stages that save much, each with one op whose output is cheap to keep and
+    costly to recompute, and ``sac_ms`` of selective-checkpointing dispatch each."""
+    op = OpCost("aten.mm.default", out_bytes=10_000, ms=3.0, flops=0, saved=True, keepable=True)
+    out = dataclasses.replace(op, op="aten.gelu.default", ms=0.5, saved=False, output=True)
+    stage = StageCost(
+        fwd_ms=4.0, bwd_ms=8.0, in_bytes=10_000, out_bytes=10_000, kept_bytes=100_000, keeps_input=True,
+        keeps_output=False, fwd_peak_bytes=30_000, bwd_peak_bytes=30_000, grad_bytes=0, ops=(op, out),
+        sac_ms=sac_ms,
+    )  # fmt: skip
+    return (stage,) * 4
+
+
+def test_the_planner_keeps_no_op_whose_saving_the_dispatch_eats() -> None:
+    """NOTE [Selective dispatch cost]: with cheap dispatch the planner keeps the costly
+    ops at some budget; at that budget, with dispatch dearer than what they save, it keeps
+    none and recomputes no more than the whole-segment plan."""
+    cheap, dear = _costly_chain(0.1), _costly_chain(4.0)
+    unwrapped = predict((Segment(0, 4, False),), cheap).peak_bytes
+    budgets = [int(unwrapped * f / 20) for f in range(4, 20)]
+    keeping = [b for b in budgets if (p := _solve(cheap, b, choose_ops=True)) and any(s.keep for s in p)]
+    assert keeping, "no budget where keeping ops pays: the instance does not test anything"
+    for budget in keeping:
+        plan = _solve(dear, budget, choose_ops=True)
+        whole = _solve(dear, budget)
+        assert plan is not None and whole is not None
+        assert not any(s.keep for s in plan)
+        assert predict(plan, dear).recompute_ms <= predict(whole, dear).recompute_ms + 1e-9
+
+
+def test_an_op_profile_charges_each_op_the_measured_dispatch() -> None:
+    from autockpt.measure.dispatch import selective_dispatch_ms
+
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), torch.randn(4, 8)
+    per_op = selective_dispatch_ms(torch.device("cpu"))
+    assert 0 < per_op < 1.0  # tens of microseconds per op on CPU
+    with_ops = autockpt.profile(model, (x,), ops=True)
+    assert all(c.sac_ms == len(c.ops) * per_op for c in with_ops.costs)
+    assert any(c.sac_ms > 0 for c in with_ops.costs)
+    assert all(c.sac_ms == 0 for c in autockpt.profile(model, (x,)).costs)
+
+
 @settings(max_examples=60, deadline=None)
 @given(costs_with_ops(max_stages=8), st.floats(0.2, 1.2))
 def test_numpys_offers_plan_exactly_as_pure_python(costs: tuple[StageCost, ...], fraction: float) -> None:
@@ -114,14 +156,14 @@ def test_numpys_offers_plan_exactly_as_pure_python(costs: tuple[StageCost, ...],
     plan, kept ops and back-pointers included, as the pure-Python offers."""
     from unittest import mock
 
-    from autockpt.planners import budget
+    from autockpt.planners import budget_offers
 
-    if budget._np is None:
+    if budget_offers.NUMPY is None:
         pytest.skip("numpy is not installed")
     limit = int(fraction * predict((Segment(0, len(costs), False),), costs).peak_bytes)
-    with mock.patch.object(budget, "_VECTOR_FROM", 1):
+    with mock.patch.object(budget_offers, "VECTOR_FROM", 1):
         vectorised = _solve(costs, limit, choose_ops=True)
-    with mock.patch.object(budget, "_np", None):
+    with mock.patch.object(budget_offers, "NUMPY", None):
         plain = _solve(costs, limit, choose_ops=True)
     assert vectorised == plain
 

@@ -32,6 +32,7 @@ def stage_costs(draw: st.DrawFn, max_stages: int = 8) -> tuple[StageCost, ...]:
         StageCost(
             fwd_ms=fwd[i],
             tail_ms=draw(st.floats(0, fwd[i])),
+            sac_ms=draw(st.floats(0, 2)),
             bwd_ms=draw(st.floats(0.1, 10)),
             in_bytes=sizes[i] * 1000,
             out_bytes=sizes[i + 1] * 1000,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from autockpt.chain import Chain
+from autockpt.measure.dispatch import selective_dispatch_ms
 from autockpt.measure.losses import LossFn, step_loss
 from autockpt.measure.memory import Windows
 from autockpt.measure.ops import measure_ops
@@ -281,6 +282,7 @@ def measure_stage(
         bwd_peak_bytes=max(0, bwd_peak - out_bytes),
         grad_bytes=grad_bytes,
         ops=op_costs,
+        sac_ms=len(op_costs) * selective_dispatch_ms(device),
     )
     return cost, next_value
 

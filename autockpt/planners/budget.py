@@ -39,22 +39,17 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import importlib.util
+import itertools
 import math
 from collections.abc import Sequence
-from typing import Any
 
 from autockpt.errors import PlanInfeasibleError
 from autockpt.plan import Segment
 from autockpt.planners.budget_grid import EXACT_UP_TO, longest_segment, merge_plain, solve_on_grid
+from autockpt.planners.budget_offers import as_arrays, offer_segment
 from autockpt.planners.cost_model import CostModel, KeptOp, keepable_ops, predict
 from autockpt.planners.registry import PlanRequest, StageCost, register_planner
 from autockpt.units import format_bytes
-
-_np: Any
-try:
-    import numpy as _np
-except ImportError:  # the pure-Python offers are exact too, only slower on large fronts
-    _np = None
 
 __all__ = ["EXACT_UP_TO", "budget_planner", "min_feasible_budget"]
 
@@ -109,7 +104,9 @@ def _op_fronts(model: CostModel, s: int, stop: int) -> list[list[Option]]:
         ending = front  # the stage ends the segment: its output ops are no candidates
         for op in keepable_ops(model.c[i], i, last=True):
             ending = _pareto(ending + [_with(p, op) for p in ending])
-        fronts.append(ending)
+        # keeping nothing pays no dispatch (NOTE [Selective dispatch cost]), so it stays a
+        # candidate even where ops that hold no bytes dominate it
+        fronts.append(ending if any(not p[3] for p in ending) else [_NOTHING, *ending])
         for op in keepable_ops(model.c[i], i):
             front = _pareto(front + [_with(p, op) for p in front])
     return fronts
@@ -186,8 +183,9 @@ def _solve_exact(
                     break
                 _offer(target, held + held_plain, cost, s, kept, held, (s, s + 1, False, _NOTHING))
             new_held = model.checkpoint_held(s, kept)
+            dispatch = list(itertools.accumulate((c.sac_ms for c in costs[s:]), initial=0.0))
             costed = [(held, value[0]) for held, value in points]
-            arrays = _as_arrays(costed)
+            arrays = as_arrays(costed)
             longest = min(longest_segment(model, s), n)
             fronts = (
                 _op_fronts(model, s, longest)
@@ -200,11 +198,13 @@ def _solve_exact(
                 if lowest + max(fwd, bwd) > budget or t > longest:
                     break
                 batch = [
-                    (budget - max(fwd + k, bwd + ku), new_held + k, ms - saved, (s, t, True, option))
+                    # a segment keeping ops pays selective checkpointing's dispatch
+                    (budget - max(fwd + k, bwd + ku), new_held + k, ms - saved + dispatch[t - s] * bool(ops),
+                     (s, t, True, option))
                     for option in (fronts[t - s - 1] if fronts is not None else (_NOTHING,))
-                    for k, ku, saved, _ in (option,)
-                ]
-                _offer_segment(front[(t, False)], costed, arrays, batch, s, kept)
+                    for k, ku, saved, ops in (option,)
+                ]  # fmt: skip
+                offer_segment(front[(t, False)], costed, arrays, batch, s, kept)
         for flag in (False, True):
             _prune(front[(s + 1, flag)])
     ends = [
@@ -226,84 +226,6 @@ def _solve_exact(
 
 
 _Seg = tuple[int, int, bool, Option]
-# one way to end a checkpointed segment: (room for held bytes, bytes added, recompute added, segment)
-_Way = tuple[int, int, float, _Seg]
-_VECTOR_FROM = 512  # (point, way) pairs from which numpy reduces them first
-
-
-def _as_arrays(costed: list[tuple[int, float]]) -> tuple[Any, Any] | None:
-    """A position's (held, recompute) points as numpy arrays, when numpy is there and the
-    front is large enough to pay for them."""
-    if _np is None or len(costed) * 2 < _VECTOR_FROM:
-        return None
-    held = _np.fromiter((h for h, _ in costed), dtype=_np.int64, count=len(costed))
-    cost = _np.fromiter((c for _, c in costed), dtype=_np.float64, count=len(costed))
-    return held, cost
-
-
-def _offer_segment(
-    target: dict[int, tuple[float, int, bool, int, _Seg]],
-    costed: list[tuple[int, float]],
-    arrays: tuple[Any, Any] | None,
-    batch: list[_Way],
-    s: int,
-    kept: bool,
-) -> None:
-    """Offer every (point, way) pair that fits its room to ``target``, as ``_offer`` would.
-
-    With many pairs, numpy first drops every pair whose recompute is no lower than that of
-    a pair holding no more bytes and offered before it (in held order, offer order on equal
-    held). ``_prune`` would drop those from ``target`` whatever else it holds, and among the
-    pairs left at one held value each is lower than the one before, so the front and its
-    back-pointers come out as without numpy.
-    """
-    if arrays is not None:
-        held_a, cost_a = arrays
-        counts = [int(_np.searchsorted(held_a, room, side="right")) for room, *_ in batch]
-        if sum(counts) >= _VECTOR_FROM:
-            _offer_reduced(target, costed, held_a, cost_a, batch, counts, s, kept)
-            return
-    for room, extra, delta, seg in batch:
-        for held, cost in costed:  # _offer inlined: the hottest loop
-            if held > room:
-                break
-            at, total = held + extra, cost + delta
-            old = target.get(at)
-            if old is None or total < old[0] or (total == old[0] and (s, kept) < (old[1], old[2])):
-                target[at] = (total, s, kept, held, seg)
-
-
-def _offer_reduced(
-    target: dict[int, tuple[float, int, bool, int, _Seg]],
-    costed: list[tuple[int, float]],
-    held_a: Any,
-    cost_a: Any,
-    batch: list[_Way],
-    counts: list[int],
-    s: int,
-    kept: bool,
-) -> None:
-    """``_offer_segment``'s numpy path (see there)."""
-    np = _np
-    way = np.repeat(np.arange(len(batch)), counts)
-    starts = np.cumsum([0, *counts[:-1]])
-    point = np.arange(len(way)) - np.repeat(starts, counts)
-    at = np.concatenate([held_a[:c] + extra for c, (_, extra, _, _) in zip(counts, batch)])
-    total = np.concatenate([cost_a[:c] + delta for c, (_, _, delta, _) in zip(counts, batch)])
-    # each way's pairs are already sorted by held (a position's front is), so a stable sort
-    # merges runs; in that order a pair survives only below the least recompute before it
-    order = np.argsort(at, kind="stable")
-    least = total[order]
-    falls = np.ones(len(order), dtype=bool)
-    falls[1:] = least[1:] < np.minimum.accumulate(least)[:-1]
-    picked = order[falls]
-    segs = [way_[3] for way_ in batch]
-    for a, c, w, p in zip(
-        at[picked].tolist(), total[picked].tolist(), way[picked].tolist(), point[picked].tolist()
-    ):
-        old = target.get(a)
-        if old is None or c < old[0] or (c == old[0] and (s, kept) < (old[1], old[2])):
-            target[a] = (c, s, kept, costed[p][0], segs[w])
 
 
 def _segment(model: CostModel, start: int, stop: int, checkpointed: bool, option: Option) -> Segment:

@@ -35,6 +35,14 @@ time after its last save: a segment ending with a Linear recomputes nothing of i
 Linear saves its input before it multiplies), one ending with a ReLU all of it (the ReLU
 saves its output). Kept ops of the last stage are scaled to fit in what remains.
 
+NOTE [Selective dispatch cost]: a segment that keeps ops runs under torch's selective
+checkpointing, which sends each of its ops through a Python dispatch mode and the policy,
+in the forward and again in the recompute. Each stage's ``sac_ms`` (its op count times the
+per-op cost measured once per device, :mod:`autockpt.measure.dispatch`) is counted with its
+recompute when its segment keeps anything; a segment keeping nothing runs as a plain
+checkpoint and pays none. Without it the planner kept ops whose saving the dispatch ate
+(measured on CPU: HF GPT-2's ``"auto"`` plans no faster than recomputing whole blocks).
+
 :func:`memory_events` lists the events in the order a step runs them, each with its bytes
 and its time; :func:`predict` is their maximum and the recompute they add. The budget
 planner (:mod:`autockpt.planners.budget`) searches over plans with the same figures.
@@ -278,7 +286,8 @@ def memory_events(
                     i,
                     span,
                     held + e[1] + k,
-                    recompute_ms(costs[i], saved[i - seg.start], i == seg.stop - 1),
+                    recompute_ms(costs[i], saved[i - seg.start], i == seg.stop - 1)
+                    + costs[i].sac_ms * bool(seg.keep),  # NOTE [Selective dispatch cost]
                 )
                 for i, e in events
             ]

@@ -75,6 +75,9 @@ class StageCost:
         tail_ms: the part of its forward after the last tensor it saves for backward: a
             recompute ending with this stage stops before it (torch's early stop), so a
             checkpointed segment's last stage costs ``fwd_ms - tail_ms`` to recompute.
+        sac_ms: what selective checkpointing's per-op dispatch adds to the stage, forward
+            and recompute together, when its checkpointed segment keeps any op (measured
+            with ``ops=True``; NOTE [Selective dispatch cost] in ``planners/cost_model.py``).
     """
 
     fwd_ms: float
@@ -89,6 +92,7 @@ class StageCost:
     grad_bytes: int
     ops: tuple[OpCost, ...] = ()
     tail_ms: float = 0.0
+    sac_ms: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON (``ops`` only when profiled)."""
