@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import autockpt
-from autockpt.execution.policies import MATMUL_OPS
+from autockpt.execution.policies import MATMUL_OPS, resolve_policy
 from autockpt.planners.budget import min_feasible_budget
 
 Step = Callable[[nn.Module], torch.Tensor]  # model -> loss
@@ -202,7 +202,7 @@ def grads(model: nn.Module, case: Case) -> list[torch.Tensor]:
 def policy_runs(policy: str) -> bool:
     """Whether this torch can run ``policy`` (named policies need a recent torch)."""
     try:
-        autockpt.make_plan(nn.Sequential(nn.Linear(2, 2), nn.Tanh()), segments=2, policy=policy)
+        resolve_policy(policy, where="frontier.py")
     except autockpt.AutockptError:
         return False
     return True

@@ -3,8 +3,9 @@
 A segment that keeps some ops' outputs runs under torch's selective checkpointing, which
 sends every op of the segment through a Python dispatch mode and a policy call, in the
 forward and again in the recompute. On a 2-core CPU that costs tens of microseconds per op
-(about 30 us of wall time per op and pass, measured on HF GPT-2), as much as the kept ops
-save on small models, so the planner must count it (NOTE [Selective dispatch cost]).
+(about 12 us measured here on tiny ops, 16-53 us on an HF GPT-2 block's own ops), about
+what the kept ops save on small models, so the planner counts it (NOTE [Selective
+dispatch cost]).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import time
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 __all__ = ["selective_dispatch_ms"]
 
@@ -47,8 +53,6 @@ def _measured(device: str) -> float:
                 torch.cuda.synchronize(x.device)
             best = min(best, time.perf_counter() - start)
         return best
-
-    from torch.utils.checkpoint import noop_context_fn
 
     plain, through_policy = run(noop_context_fn), run(selective)
     return max(0.0, (through_policy - plain) * 1e3 / _OPS)

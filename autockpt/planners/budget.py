@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from autockpt.errors import PlanInfeasibleError
 from autockpt.plan import Segment
 from autockpt.planners.budget_grid import EXACT_UP_TO, longest_segment, merge_plain, solve_on_grid
-from autockpt.planners.budget_offers import as_arrays, offer_segment
+from autockpt.planners.budget_offers import as_arrays, offer, offer_segment
 from autockpt.planners.cost_model import CostModel, KeptOp, keepable_ops, predict
 from autockpt.planners.registry import PlanRequest, StageCost, register_planner
 from autockpt.units import format_bytes
@@ -170,6 +170,8 @@ def _solve_exact(
     }
     front[(0, True)][0] = (0.0, -1, True, 0, (0, 0, False, _NOTHING))  # the chain's input is static
     for s in range(n):
+        # selective checkpointing's dispatch over [s, s + j), paid by segments keeping ops
+        dispatch = list(itertools.accumulate((c.sac_ms for c in costs[s:]), initial=0.0))
         for kept in (False, True):
             points = sorted(front[(s, kept)].items())
             if not points:
@@ -181,9 +183,8 @@ def _solve_exact(
             for held, (cost, *_rest) in points:
                 if held + plain > budget:
                     break
-                _offer(target, held + held_plain, cost, s, kept, held, (s, s + 1, False, _NOTHING))
+                offer(target, held + held_plain, cost, s, kept, held, (s, s + 1, False, _NOTHING))
             new_held = model.checkpoint_held(s, kept)
-            dispatch = list(itertools.accumulate((c.sac_ms for c in costs[s:]), initial=0.0))
             costed = [(held, value[0]) for held, value in points]
             arrays = as_arrays(costed)
             longest = min(longest_segment(model, s), n)
@@ -243,21 +244,6 @@ def _segment(model: CostModel, start: int, stop: int, checkpointed: bool, option
     return Segment(start, stop, checkpointed, keep=keep, kept_bytes=k, kept_ms=saved)
 
 
-def _offer(
-    target: dict[int, tuple[float, int, bool, int, _Seg]],
-    held: int,
-    cost: float,
-    prev: int,
-    prev_flag: bool,
-    prev_held: int,
-    seg: _Seg,
-) -> None:
-    """Keep the cheaper way to reach ``held``; ties go to the earlier start (deterministic)."""
-    old = target.get(held)
-    if old is None or cost < old[0] or (cost == old[0] and (prev, prev_flag) < (old[1], old[2])):
-        target[held] = (cost, prev, prev_flag, prev_held, seg)
-
-
 def _prune(points: dict[int, tuple[float, int, bool, int, _Seg]]) -> None:
     """Drop points that hold more and recompute no less than another point."""
     best = math.inf
@@ -308,7 +294,7 @@ def _min_peak_exact(model: CostModel) -> int:
     front: dict[tuple[int, bool], dict[int, int]] = {(i, k): {} for i in range(n + 1) for k in (False, True)}
     front[(0, True)][0] = 0  # the chain's input is a static byte
 
-    def offer(target: dict[int, int], held: int, peak: int) -> None:
+    def lower(target: dict[int, int], held: int, peak: int) -> None:
         if peak < target.get(held, peak + 1):
             target[held] = peak
 
@@ -320,7 +306,7 @@ def _min_peak_exact(model: CostModel) -> int:
             plain, held_plain = model.plain_local(s, kept), model.held(s, kept)
             target = front[(s + 1, costs[s].keeps_output)]
             for held, peak in points:
-                offer(target, held + held_plain, max(peak, held + plain))
+                lower(target, held + held_plain, max(peak, held + plain))
             new_held = model.checkpoint_held(s, kept)
             longest = longest_segment(model, s)
             for t, (local, _) in enumerate(model.checkpoint_locals(s, kept), start=s + 1):
@@ -328,7 +314,7 @@ def _min_peak_exact(model: CostModel) -> int:
                     break
                 target = front[(t, False)]
                 for held, peak in points:
-                    offer(target, held + new_held, max(peak, held + local))
+                    lower(target, held + new_held, max(peak, held + local))
         for flag in (False, True):
             points_at = front[(s + 1, flag)]
             lowest = None

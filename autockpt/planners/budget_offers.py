@@ -17,7 +17,7 @@ try:
 except ImportError:  # the pure-Python offers are exact too, only slower on large fronts
     NUMPY = None
 
-__all__ = ["NUMPY", "VECTOR_FROM", "Way", "as_arrays", "offer_segment"]
+__all__ = ["NUMPY", "VECTOR_FROM", "Point", "Way", "as_arrays", "offer", "offer_segment"]
 
 Point = tuple[float, int, bool, int, Any]
 """A front entry: (recompute, previous position, previous flag, previous held, segment)."""
@@ -25,6 +25,15 @@ Point = tuple[float, int, bool, int, Any]
 # one way to end a checkpointed segment: (room for held bytes, bytes added, recompute added, segment)
 Way = tuple[int, int, float, Any]
 VECTOR_FROM = 512  # (point, way) pairs from which numpy reduces them first
+
+
+def offer(
+    target: dict[int, Point], held: int, cost: float, prev: int, prev_flag: bool, prev_held: int, seg: Any
+) -> None:
+    """Keep the cheaper way to reach ``held``; ties go to the earlier start (deterministic)."""
+    old = target.get(held)
+    if old is None or cost < old[0] or (cost == old[0] and (prev, prev_flag) < (old[1], old[2])):
+        target[held] = (cost, prev, prev_flag, prev_held, seg)
 
 
 def as_arrays(costed: list[tuple[int, float]]) -> tuple[Any, Any] | None:
@@ -60,7 +69,7 @@ def offer_segment(
             _reduced(target, costed, held_a, cost_a, batch, counts, s, kept)
             return
     for room, extra, delta, seg in batch:
-        for held, cost in costed:  # _offer inlined: the hottest loop
+        for held, cost in costed:  # offer() inlined: the hottest loop, millions of pairs
             if held > room:
                 break
             at, total = held + extra, cost + delta
@@ -97,6 +106,4 @@ def _reduced(
     for a, c, w, p in zip(
         at[picked].tolist(), total[picked].tolist(), way[picked].tolist(), point[picked].tolist()
     ):
-        old = target.get(a)
-        if old is None or c < old[0] or (c == old[0] and (s, kept) < (old[1], old[2])):
-            target[a] = (c, s, kept, costed[p][0], segs[w])
+        offer(target, a, c, s, kept, costed[p][0], segs[w])

@@ -40,8 +40,9 @@ checkpointing, which sends each of its ops through a Python dispatch mode and th
 in the forward and again in the recompute. Each stage's ``sac_ms`` (its op count times the
 per-op cost measured once per device, :mod:`autockpt.measure.dispatch`) is counted with its
 recompute when its segment keeps anything; a segment keeping nothing runs as a plain
-checkpoint and pays none. Without it the planner kept ops whose saving the dispatch ate
-(measured on CPU: HF GPT-2's ``"auto"`` plans no faster than recomputing whole blocks).
+checkpoint and pays none. It was added after the frontier measured HF GPT-2's ``"auto"``
+plans no faster than recomputing whole blocks on CPU; with it, they still measure within
+the machine's noise of those (docs/design.md).
 
 :func:`memory_events` lists the events in the order a step runs them, each with its bytes
 and its time; :func:`predict` is their maximum and the recompute they add. The budget
