@@ -8,9 +8,12 @@ NOTE [Buffers change once per forward]
     training mode updates its running statistics twice per step. We keep, for every
     checkpointed segment call, the buffers its forward changed *as they were before that
     forward* (a clone for in-place updates, the old object for reassigned buffers). The
-    recompute runs against private copies of those old values (so it sees exactly what the
-    original forward saw) and the live buffers are put back afterwards, so the user
-    observes one update per forward.
+    recompute runs against private copies of every buffer of the segment (of those old
+    values where the forward changed one, of the live value elsewhere), so it sees exactly
+    what the original forward saw and never writes a live buffer, and the live buffers are
+    put back afterwards: the user observes one update per forward. Copies of all, since a
+    buffer can be written and end where it started, and a recompute under an op policy
+    replays only part of those writes (docs/design.md).
 
     Which buffers changed must be known exactly, and without waiting for the device:
     comparing values (``torch.equal``) is exact but waits for an asynchronous device (CUDA)
@@ -298,7 +301,7 @@ class _SegmentCall:
         rt = self.rt
         before = [module._buffers.get(name) for module, name in rt.buffers]
         versions = [t._version if t is not None else 0 for t in before]
-        clones = [t.clone() if t is not None else None for t in before]
+        clones = _private_copies(before)
         if rt.debug:
             self.recorder = OpRecorder(rt.description)
             with self.recorder:
@@ -394,10 +397,10 @@ class _SegmentCall:
         rt, old = self.rt, self.old
         assert old is not None
         self._check_state()
-        live = {i: rt.buffers[i][0]._buffers.get(rt.buffers[i][1]) for i in old}
-        for i, t in old.items():
-            module, name = rt.buffers[i]
-            module._buffers[name] = t.clone() if t is not None else None
+        live = [module._buffers.get(name) for module, name in rt.buffers]
+        seen = [old[i] if i in old else t for i, t in enumerate(live)]  # what the forward saw
+        for (module, name), t in zip(rt.buffers, _private_copies(seen)):
+            module._buffers[name] = t
         try:
             with recomputing():
                 if self.recorder is None:
@@ -405,9 +408,16 @@ class _SegmentCall:
                 with OpRecorder(rt.description, self.recorder.ops):
                     return self._body(x)
         finally:
-            for i, t in live.items():
-                module, name = rt.buffers[i]
+            for (module, name), t in zip(rt.buffers, live):
                 module._buffers[name] = t
+
+
+def _private_copies(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """A clone of each tensor, one per distinct tensor, so that a buffer registered in two
+    modules stays one tensor in the copies too."""
+    clones = {id(t): t for t in tensors if t is not None}
+    clones = {k: t.clone() for k, t in clones.items()}
+    return [clones[id(t)] if t is not None else None for t in tensors]
 
 
 def _named_modules(stages: Sequence[Stage]) -> tuple[tuple[str, nn.Module], ...]:
