@@ -38,6 +38,7 @@ def costs_with_ops(draw: st.DrawFn, max_stages: int = 4) -> tuple[StageCost, ...
                     saved=draw(st.booleans()),
                     keepable=draw(st.booleans()),
                     output=j == 1,
+                    tail=draw(st.booleans()),
                 )
                 for j in range(draw(st.integers(0, 2)))
             ),
@@ -191,7 +192,7 @@ def gelu_blocks() -> nn.Sequential:
     return nn.Sequential(*(MLPBlock() for _ in range(6)))
 
 
-@pytest.mark.parametrize("fraction", [0.5, 0.8])
+@pytest.mark.parametrize("fraction", [0.5, 0.7])
 def test_auto_plans_are_predicted_to_the_byte_and_keep_their_budget(fraction: float) -> None:
     x = torch.randn(512, 64)
     model = autockpt.auto_checkpoint(gelu_blocks(), budget=fraction, example_inputs=(x,), policy="auto")
@@ -227,7 +228,7 @@ def test_the_chosen_ops_are_not_recomputed() -> None:
 
     x = torch.randn(512, 64)
     model = gelu_blocks()
-    plan = autockpt.make_plan(model, budget=0.8, example_inputs=(x,), policy="auto")
+    plan = autockpt.make_plan(model, budget=0.7, example_inputs=(x,), policy="auto")
     whole = dataclasses.replace(
         plan, segments=tuple(Segment(s.start, s.stop, s.checkpoint) for s in plan.segments)
     )

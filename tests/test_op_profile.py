@@ -46,6 +46,33 @@ def test_each_stage_lists_its_ops_with_bytes_flops_and_what_autograd_keeps() -> 
     assert all(o.flops == 0 for o in prof.costs[1].ops)
 
 
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(x)
+
+
+def test_ops_after_the_last_save_are_the_tail_and_never_offered_at_a_segments_end() -> None:
+    """Autograd saves a Linear's input and weight before its addmm runs, and the residual
+    add saves nothing, so a recompute ending with this stage stops before the addmm, whose
+    output is not the stage's: keeping it would hold its bytes and save no recompute. ReLU
+    saves its output after it runs: no tail."""
+    from autockpt.planners.cost_model import keepable_ops
+
+    prof = autockpt.profile(nn.Sequential(Residual(), nn.ReLU()), (torch.randn(B, D),), ops=True)
+    residual, relu = prof.costs
+    assert [(o.op, o.output, o.tail) for o in residual.ops] == [
+        ("aten.t.default", False, False), ("aten.addmm.default", False, True), ("aten.add.Tensor", True, True)
+    ]  # fmt: skip
+    assert [o.tail for o in relu.ops] == [False]
+    # the addmm is a candidate inside a segment, not at its end
+    assert [k.op for k in keepable_ops(residual, 0)] == ["aten.addmm.default", "aten.add.Tensor"]
+    assert keepable_ops(residual, 0, last=True) == []
+
 def test_an_output_changed_in_place_later_is_not_keepable() -> None:
     prof = autockpt.profile(block(inplace=True), (torch.randn(B, D),), ops=True)
     fused = prof.costs[0]  # Linear and its in-place ReLU are one stage

@@ -96,22 +96,27 @@ class _Recorder(TorchDispatchMode):
 
 def _run(
     stage: Any, x: Any, device: torch.device, grads_as_given: bool
-) -> tuple[_Recorder, list[float], set[int], set[int]]:
-    """One recorded forward: its ops, their times, the storages autograd saved and those of
-    the stage's output."""
+) -> tuple[_Recorder, list[float], set[int], set[int], int]:
+    """One recorded forward: its ops, their times, the storages autograd saved, those of
+    the stage's output, and where its tail starts: the first op that runs after the last
+    save. Autograd sits above the dispatch mode, so it saves an op's inputs before the mode
+    sees the op, and its outputs after: the ops recorded when the last save happens are
+    the ones a recompute stopping there runs."""
     saved: set[int] = set()
+    recorder = _Recorder(device)
+    tail = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(storage_key(t))
+        tail[0] = len(recorder.rows)
         return t.detach()
 
     inputs, _ = requiring_grad(x, as_given=grads_as_given)
-    recorder = _Recorder(device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
         out = stage(inputs)
     outputs = {storage_key(t) for t in tensors_in(out)}
     del out
-    return recorder, recorder.times(), saved, outputs
+    return recorder, recorder.times(), saved, outputs, tail[0]
 
 
 def _flops(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
@@ -133,9 +138,9 @@ def measure_ops(
     """The ops of one forward of ``stage`` on ``x`` (see the module docstring); the caller
     puts buffers and the RNG back (``sandbox.dry_run_state``)."""
     runs = [_run(stage, x, device, grads_as_given) for _ in range(1 if device.type == "meta" else 2)]
-    recorder, _, saved, outputs = runs[-1]
+    recorder, _, saved, outputs, tail = runs[-1]
     sequence = [r["op"] for r in recorder.rows]
-    alike = [times for rec, times, _, _ in runs if [r["op"] for r in rec.rows] == sequence]
+    alike = [times for rec, times, *_ in runs if [r["op"] for r in rec.rows] == sequence]
     fastest = [min(times[i] for times in alike) for i in range(len(recorder.rows))]
     return tuple(
         OpCost(
@@ -148,6 +153,7 @@ def measure_ops(
             and not r["changed"]
             and torch.Tag.nondeterministic_seeded not in r["op"].tags,
             output=bool(r["storages"] & outputs),
+            tail=i >= tail,
         )
-        for r, ms in zip(recorder.rows, fastest)
+        for i, (r, ms) in enumerate(zip(recorder.rows, fastest))
     )

@@ -172,8 +172,11 @@ class Profile:
         ]
         lines += _table(rows)
         if self.has_ops:
-            lines.append("ops (saved: autograd keeps the output; keepable: a policy may keep it)")
-            op_rows = [("stage", "op", "output", "ms", "MFLOP", "saved", "keepable")]
+            lines.append(
+                "ops (saved: autograd keeps the output; keepable: a policy may keep it; "
+                "tail: after the stage's last save)"
+            )
+            op_rows = [("stage", "op", "output", "ms", "MFLOP", "saved", "keepable", "tail")]
             for name, c in zip(self.stage_names, self.costs):
                 op_rows += [
                     (
@@ -184,6 +187,7 @@ class Profile:
                         f"{o.flops / 1e6:.1f}",
                         "yes" if o.saved else "no",
                         "yes" if o.keepable else "no",
+                        "yes" if o.tail else "no",
                     )
                     for o in c.ops
                 ]

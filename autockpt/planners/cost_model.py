@@ -86,17 +86,18 @@ class KeptOp:
 
 def keepable_ops(cost: StageCost, stage: int, *, last: bool = False) -> list[KeptOp]:
     """The ops of one stage a policy may keep and whose recompute takes time; their times
-    scaled so that they add up to no more than the stage's forward time. In a segment's
-    ``last`` stage, an op making the stage's output is no candidate: a recompute stops once
-    backward has what it needs, and nothing in the segment needs its output, so it is not
-    recomputed anyway."""
-    total = sum(o.ms for o in cost.ops)
+    scaled so that they add up to no more than the stage's recomputed forward time. In a
+    segment's ``last`` stage, the ops of its tail (:attr:`OpCost.tail`) and an op making
+    the stage's output are no candidates: a recompute stops once backward has what it
+    needs, so they are not recomputed anyway."""
+    skipped = [last and (o.output or o.tail) for o in cost.ops]
+    total = sum(o.ms for o, skip in zip(cost.ops, skipped) if not skip)
     recomputed = cost.fwd_ms - cost.tail_ms * last  # the early stop skips the last stage's tail
     scale = max(0.0, min(1.0, recomputed / total)) if total > 0 else 0.0
     return [
         KeptOp(stage, j, o.op, o.out_bytes, 0 if o.saved else o.out_bytes, o.ms * scale)
-        for j, o in enumerate(cost.ops)
-        if o.keepable and o.ms > 0 and not (last and o.output)
+        for j, (o, skip) in enumerate(zip(cost.ops, skipped))
+        if o.keepable and o.ms > 0 and not skip
     ]
 
 

@@ -43,6 +43,8 @@ class OpCost:
             random, and no later op of the stage writes into it (NOTE [Kept outputs
             changed in place] in ``execution/policies.py``).
         output: its output is the stage's output (held by what comes next anyway).
+        tail: it runs after the last tensor the stage saves for backward: a recompute
+            ending with this stage stops before it (NOTE [The tail a recompute skips]).
     """
 
     op: str
@@ -52,6 +54,7 @@ class OpCost:
     saved: bool
     keepable: bool
     output: bool = False
+    tail: bool = False
 
 
 @dataclass(frozen=True)
