@@ -91,7 +91,6 @@ def test_batchnorm_buffers_change_once_per_forward(momentum: float | None, segme
     assert_same_step(model, torch.randn(6, 5, dtype=D), segments, steps=5)
 
 
-
 class NormTwice(nn.Module):
     """One BatchNorm (momentum 0.5) called twice: on a batch whose mean is 2 it moves the
     running mean from 0 to 1, then on the batch times -1/2 back to exactly 0. The second
@@ -117,9 +116,11 @@ def test_a_buffer_back_at_its_value_after_the_forward_is_still_replayed() -> Non
     assert ck.forward.plan.segments[0].checkpoint and ck.forward.plan.segments[0].start == 0
     x = torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]], dtype=D)  # column means 2
     for i in range(3):  # the first forward keeps nothing (NOTE [Kept outputs changed in place])
-        seeded_step(ref, x.clone().requires_grad_(), seed=i), seeded_step(ck, x.clone().requires_grad_(), seed=i)
+        for model in (ref, ck):
+            seeded_step(model, x.clone().requires_grad_(), seed=i)
         assert torch.equal(ref[0].norm.running_mean, torch.zeros(3, dtype=D))
         assert_same_state(ref, ck)
+
 
 def test_batchnorm_under_no_grad_updates_once() -> None:  # [6]
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1), nn.BatchNorm1d(1)).to(D)

@@ -46,7 +46,6 @@ def test_each_stage_lists_its_ops_with_bytes_flops_and_what_autograd_keeps() -> 
     assert all(o.flops == 0 for o in prof.costs[1].ops)
 
 
-
 class Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -72,6 +71,7 @@ def test_ops_after_the_last_save_are_the_tail_and_never_offered_at_a_segments_en
     # the addmm is a candidate inside a segment, not at its end
     assert [k.op for k in keepable_ops(residual, 0)] == ["aten.addmm.default", "aten.add.Tensor"]
     assert keepable_ops(residual, 0, last=True) == []
+
 
 def test_an_output_changed_in_place_later_is_not_keepable() -> None:
     prof = autockpt.profile(block(inplace=True), (torch.randn(B, D),), ops=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -43,6 +44,18 @@ def test_budgets_on_a_block_walked_model_with_keyword_inputs_hold_and_predict_we
         # measured 1.016 and 1.012 of the prediction on this 1 MiB model (1.00-1.02 at 25 MiB)
         assert abs(measured / plan.predicted_peak_bytes - 1) < 0.1
 
+
+
+def test_a_block_walked_profile_measures_in_one_allocator_session() -> None:
+    """Each block used to be measured in a session of its own, nested in the step's: on CPU
+    two profiler stops and starts per block, most of a small model's profile."""
+    from autockpt.measure import memory
+
+    idx, kw = torch.randint(0, 64, (4, 32)), {"attention_mask": torch.ones(4, 32)}
+    with mock.patch.object(memory, "open_session", wraps=memory.open_session) as opened:
+        prof = autockpt.profile(small_gpt(), (idx,), example_kwargs=kw, mode="blocks")
+    assert prof.walker == "blocks" and len(prof.costs) == 9
+    assert opened.call_count == 2  # the step, and the loss
 
 class LoopWithHead(nn.Module):
     """Blocks in a data-dependent loop (block walker) and a head with a wide output."""

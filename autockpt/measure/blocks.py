@@ -10,8 +10,9 @@ So the model runs one training step here, with three things added for the durati
   key/value cache, as checkpointed blocks run (:mod:`autockpt.caches`: measuring a block
   alone and then running it would otherwise append to the model's cache twice);
 * the first time a block is called, it is first measured alone on the inputs the model hands
-  it (:func:`~autockpt.measure.profiling.measure_stage`, inputs requiring gradients exactly
-  where the model's do);
+  it (:func:`~autockpt.measure.profiling.measured_stage_in`, inputs requiring gradients
+  exactly where the model's do), in windows of the step's own allocator session (a session
+  of its own would stop and restart the CPU profiler twice per block);
 * markers in one allocator session, at each block's entry and exit in forward and, through
   tensor hooks, where each block's output and input gradients are ready in backward, cut the
   step into windows: the code between block ``i - 1`` and block ``i`` is the "gap" stage
@@ -49,7 +50,7 @@ from autockpt.chain import Chain
 from autockpt.errors import AutockptError
 from autockpt.measure.losses import default_loss
 from autockpt.measure.memory import Windows
-from autockpt.measure.profiling import Profile, measure_stage
+from autockpt.measure.profiling import Profile, measured_stage_in
 from autockpt.planners import StageCost
 from autockpt.sandbox import preserved, recomputing
 from autockpt.tensors import device_of, requiring_grad, storage_bytes, storage_sizes, tensors_in
@@ -62,7 +63,7 @@ class _Step:
 
     def __init__(self, windows: Windows, params: list[nn.Parameter]) -> None:
         self.windows = windows
-        self.labels: list[str] = []
+        self.labels: list[tuple[str, int]] = []  # (label, the mark's number in windows)
         self.times: list[float] = []
         self.params = params
         self.grads: dict[str, int] = {}  # per backward window: parameter gradients it created
@@ -71,20 +72,21 @@ class _Step:
     def mark(self, label: str) -> None:
         if self.windows.device.type == "cuda":
             torch.cuda.synchronize(self.windows.device)
-        if self.labels and self.labels[-1].startswith("bwd"):
+        if self.labels and self.labels[-1][0].startswith("bwd"):
             new = [p for p in self.params if p.grad is not None and id(p) not in self._seen]
             self._seen.update(id(p) for p in new)
-            self.grads[self.labels[-1]] = storage_bytes(p.grad for p in new if p.grad is not None)
-        self.labels.append(label)
+            self.grads[self.labels[-1][0]] = storage_bytes(p.grad for p in new if p.grad is not None)
+        self.labels.append((label, self.windows.mark()))
         self.times.append(time.perf_counter())
-        self.windows.mark()
 
     def by_label(self) -> dict[str, tuple[int, int, float]]:
-        """(peak, net, ms) per label, the first window of each label (after the windows closed)."""
+        """(peak, net, ms) per label, the first window of each label (after the windows
+        closed): from its mark to the next mark, which is the next label's unless a block's
+        own measurement marked in between (only after a "measure" label)."""
         result = self.windows.result
         out: dict[str, tuple[int, int, float]] = {}
-        for k, label in enumerate(self.labels[:-1]):  # window k + 1 lies between marks k and k + 1
-            peak, net = result[k + 1] if k + 1 < len(result) else (0, 0)
+        for k, (label, mark) in enumerate(self.labels[:-1]):
+            peak, net = result[mark + 1] if mark + 1 < len(result) else (0, 0)
             out.setdefault(label, (peak, net, (self.times[k + 1] - self.times[k]) * 1e3))
         return out
 
@@ -107,7 +109,7 @@ def profile_blocks(
     calls = [stage.units[0].fn for stage in chain.stages]
     in_block = {id(p) for b in blocks for p in b.parameters()}
     outside = [p for p in model.parameters() if p.requires_grad and id(p) not in in_block]
-    alone: dict[int, StageCost] = {}
+    alone: dict[int, Callable[[], StageCost]] = {}  # each block's cost, read once the windows closed
     inputs: dict[int, dict[int, int]] = {}  # per block: storage key -> bytes of its inputs
     # the caller's inputs get no .grad: the step runs on copies, requiring grad where they do
     (call_args, call_kwargs), _ = requiring_grad((list(args), kwargs), as_given=True)
@@ -133,7 +135,8 @@ def profile_blocks(
             loss.backward()
         del loss, out
         step.mark("end")
-    return _assemble(chain, alone, inputs, step.by_label(), step.grads, static_bytes, device, out_bytes)
+    costs = {i: cost() for i, cost in alone.items()}
+    return _assemble(chain, costs, inputs, step.by_label(), step.grads, static_bytes, device, out_bytes)
 
 
 def _measuring_forward(
@@ -141,7 +144,7 @@ def _measuring_forward(
     block: nn.Module,
     call: Callable[[Any], Any],
     step: _Step,
-    alone: dict[int, StageCost],
+    alone: dict[int, Callable[[], StageCost]],
     inputs: dict[int, dict[int, int]],
     device: torch.device,
     repeats: int,
@@ -151,9 +154,9 @@ def _measuring_forward(
         if torch.is_grad_enabled():  # measured as it will run: checkpointed, without a cache
             args, kwargs, _ = without_caches(args, kwargs)
         if i not in alone and torch.is_grad_enabled():
-            step.mark(f"measure {i}")  # the measurement's own allocations: a window to ignore
-            alone[i], _ = measure_stage(
-                call, [block], (args, kwargs), device, repeats, grads_as_given=True, ops=ops
+            step.mark(f"measure {i}")  # the measurement's own allocations: windows to ignore
+            alone[i], _ = measured_stage_in(
+                step.windows, call, [block], (args, kwargs), device, repeats, grads_as_given=True, ops=ops
             )
             inputs[i] = storage_sizes(tensors_in((args, kwargs)))
         first_in = next((t for t in tensors_in((args, kwargs)) if t.requires_grad), None)

@@ -147,6 +147,7 @@ class Windows:
         self.session: AllocatorSession | None = None
         self.tensors = StorageTracker("meta") if device.type == "meta" else None
         self.result: list[tuple[int, int]] = []
+        self.marks = 0
         self._base = 0
 
     def __enter__(self) -> Windows:
@@ -156,14 +157,18 @@ class Windows:
             self.session = open_session(self.device, collect=self.collect)
         return self
 
-    def mark(self) -> None:
+    def mark(self) -> int:
+        """Cut a window here; returns ``k``, this mark's number: ``result[k]`` is the window
+        ending here and ``result[k + 1]`` the one starting here."""
+        self.marks += 1
         if self.session is not None:
             self.session.mark()
-            return
+            return self.marks - 1
         assert self.tensors is not None
         live, peak = self.tensors.live, self.tensors.peak
         self.result.append((peak - self._base, live - self._base) if self.result else (0, 0))
         self._base = self.tensors.peak = live
+        return self.marks - 1
 
     def __exit__(self, *exc: object) -> None:
         if self.session is not None:

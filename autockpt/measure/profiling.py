@@ -10,7 +10,7 @@ medians of repeats and stay noisy. The run is invisible like the dry run: buffer
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from autockpt.measure.memory import Windows
 from autockpt.measure.ops import measure_ops
 from autockpt.measure.timing import StageRun, nominal_times, stage_times
 from autockpt.plan import Plan, Segment
-from autockpt.planners import StageCost
+from autockpt.planners import OpCost, StageCost
 from autockpt.planners.cost_model import memory_events
 from autockpt.sandbox import dry_run_state
 from autockpt.tensors import (
@@ -39,7 +39,7 @@ from autockpt.tensors import (
 from autockpt.timeline import Curve, MemoryTimeline, predicted_curve
 from autockpt.units import format_bytes
 
-__all__ = ["Profile", "StageRun", "measure_loss", "measure_stage", "profile_chain"]
+__all__ = ["Profile", "StageRun", "measure_loss", "measure_stage", "measured_stage_in", "profile_chain"]
 
 
 @dataclass(frozen=True)
@@ -229,66 +229,127 @@ def measure_stage(
     :func:`~autockpt.tensors.requiring_grad`). With ``ops``, the stage's ops are profiled
     too (:func:`~autockpt.measure.ops.measure_ops`).
     """
-    params = list({id(p): p for m in modules for p in m.parameters()}.values())
-    params = [p for p in params if p.requires_grad]
+    times = _stage_times(stage, modules, x, device, repeats, grads_as_given, ops)
+    with Windows(device, collect=False) as windows:  # the caller collected garbage once
+        cost, value = _stage_cost_in(windows, stage, modules, x, device, times, grads_as_given=grads_as_given)
+    return cost(), value
+
+
+StageTimes = tuple[float, float, float, tuple[OpCost, ...]]
+"""A stage's forward, backward and tail ms, and its op profile (empty unless asked for)."""
+
+
+def _stage_times(
+    stage: StageRun,
+    modules: Sequence[nn.Module],
+    x: Any,
+    device: torch.device,
+    repeats: int,
+    grads_as_given: bool,
+    ops: bool,
+) -> StageTimes:
+    params = _trained(modules)
     if device.type == "meta":
         fwd_ms, bwd_ms = nominal_times(stage, x, params, grads_as_given)
         tail_ms = 0.0  # unknown: a recompute counts the whole stage
     else:  # also warms up
         fwd_ms, bwd_ms, tail_ms = stage_times(stage, x, params, repeats, device, grads_as_given)
     op_costs = measure_ops(stage, x, device, grads_as_given=grads_as_given) if ops else ()
+    return fwd_ms, bwd_ms, tail_ms, op_costs
+
+
+def measured_stage_in(
+    windows: Windows,
+    stage: StageRun,
+    modules: Sequence[nn.Module],
+    x: Any,
+    device: torch.device,
+    repeats: int,
+    *,
+    grads_as_given: bool = False,
+    ops: bool = False,
+) -> tuple[Callable[[], StageCost], Any]:
+    """:func:`measure_stage` inside an allocator session the caller holds open (one session
+    for many measurements: each CPU session costs a profiler start and stop); the cost is
+    read, by calling the function returned, once that session has closed."""
+    times = _stage_times(stage, modules, x, device, repeats, grads_as_given, ops)
+    return _stage_cost_in(windows, stage, modules, x, device, times, grads_as_given=grads_as_given)
+
+
+def _stage_cost_in(
+    windows: Windows,
+    stage: StageRun,
+    modules: Sequence[nn.Module],
+    x: Any,
+    device: torch.device,
+    times: StageTimes,
+    *,
+    grads_as_given: bool = False,
+) -> tuple[Callable[[], StageCost], Any]:
+    """The memory half of :func:`measure_stage`: one forward and backward in four windows
+    of ``windows``; the cost once ``windows`` has closed, and the stage's output."""
+    params = _trained(modules)
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.update(storage_sizes([t]))
         return t.detach()  # the tensor itself would make a cycle through its grad_fn: a leak
 
-    with Windows(device, collect=False) as windows:  # the caller collected garbage once
-        inputs, leaves = requiring_grad(x, as_given=grads_as_given)
-        in_tensors = tensors_in(inputs)
-        in_keys = {storage_key(t) for t in in_tensors}
-        windows.mark()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = stage(inputs)
-        windows.mark()
-        out_tensors = [t for t in tensors_in(out) if storage_key(t) not in in_keys]
-        out_bytes = storage_bytes(out_tensors)
-        keeps_input = any(k in saved for k in in_keys)
-        keeps_output = any(storage_key(t) in saved for t in out_tensors)
-        grad_outs = [t for t in tensors_in(out) if t.requires_grad]
-        # The loss makes the output gradient inside the measured backward, and no Python
-        # reference keeps the output alive, so the output and its gradient are freed as in a
-        # real step; the gradient's size is then taken off the peak (the model adds it).
-        loss, seeds = _seeded_loss(grad_outs, device)
-        next_value = cloned(out)
-        del out, grad_outs, out_tensors
-        for p in params:
-            p.grad = None
-        windows.mark()
-        if loss.requires_grad:
-            loss.backward(inputs=[*leaves, *params] or None)
-        windows.mark()
-        del loss, seeds  # the seeds lived through the backward: a real step frees no such thing
-    (fwd_peak, fwd_net), (bwd_peak, _) = windows.result[1], windows.result[3]
+    inputs, leaves = requiring_grad(x, as_given=grads_as_given)
+    in_tensors = tensors_in(inputs)
+    in_keys = {storage_key(t) for t in in_tensors}
+    first = windows.mark()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stage(inputs)
+    windows.mark()
+    out_tensors = [t for t in tensors_in(out) if storage_key(t) not in in_keys]
+    out_bytes = storage_bytes(out_tensors)
+    keeps_input = any(k in saved for k in in_keys)
+    keeps_output = any(storage_key(t) in saved for t in out_tensors)
+    grad_outs = [t for t in tensors_in(out) if t.requires_grad]
+    # The loss makes the output gradient inside the measured backward, and no Python
+    # reference keeps the output alive, so the output and its gradient are freed as in a
+    # real step; the gradient's size is then taken off the peak (the model adds it).
+    loss, seeds = _seeded_loss(grad_outs, device)
+    next_value = cloned(out)
+    del out, grad_outs, out_tensors
+    for p in params:
+        p.grad = None
+    windows.mark()
+    if loss.requires_grad:
+        loss.backward(inputs=[*leaves, *params] or None)
+    windows.mark()
+    del loss, seeds  # the seeds lived through the backward: a real step frees no such thing
     grad_bytes = storage_bytes(p.grad for p in params if p.grad is not None)
     for p in params:
         p.grad = None
-    cost = StageCost(
-        fwd_ms=fwd_ms,
-        bwd_ms=bwd_ms,
-        tail_ms=tail_ms,
-        in_bytes=storage_bytes(in_tensors),
-        out_bytes=out_bytes,
-        kept_bytes=max(0, fwd_net - out_bytes),
-        keeps_input=keeps_input,
-        keeps_output=keeps_output,
-        fwd_peak_bytes=fwd_peak,
-        bwd_peak_bytes=max(0, bwd_peak - out_bytes),
-        grad_bytes=grad_bytes,
-        ops=op_costs,
-        sac_ms=len(op_costs) * selective_dispatch_ms(device),
-    )
+    fwd_ms, bwd_ms, tail_ms, op_costs = times
+
+    def cost() -> StageCost:
+        (fwd_peak, fwd_net), (bwd_peak, _) = windows.result[first + 1], windows.result[first + 3]
+        return StageCost(
+            fwd_ms=fwd_ms,
+            bwd_ms=bwd_ms,
+            tail_ms=tail_ms,
+            in_bytes=storage_bytes(in_tensors),
+            out_bytes=out_bytes,
+            kept_bytes=max(0, fwd_net - out_bytes),
+            keeps_input=keeps_input,
+            keeps_output=keeps_output,
+            fwd_peak_bytes=fwd_peak,
+            bwd_peak_bytes=max(0, bwd_peak - out_bytes),
+            grad_bytes=grad_bytes,
+            ops=op_costs,
+            sac_ms=len(op_costs) * selective_dispatch_ms(device) if op_costs else 0.0,
+        )
+
     return cost, next_value
+
+
+def _trained(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of ``modules`` that require gradients, each once."""
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+    return [p for p in params if p.requires_grad]
 
 
 def _seeded_loss(outs: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
