@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 import autockpt
 from autockpt.plan import Segment
 from autockpt.planners import PlanRequest, StageCost, get_planner, run_planner
+from autockpt.planners import budget as budget_module
 from autockpt.planners.budget import _solve, min_feasible_budget
 from autockpt.planners.cost_model import CostModel, predict
 
@@ -110,6 +112,20 @@ def test_the_floor_is_the_lowest_peak_of_any_plan(
     lowest = min(predict(p, costs, loss_bytes=loss).peak_bytes for p in allowed)
     assert min_feasible_budget(costs, loss_bytes=loss, spans=spans) == lowest
     assert _solve(costs, lowest, loss, spans) is not None and _solve(costs, lowest - 1, loss, spans) is None
+
+
+@given(stage_costs(), st.none() | st.integers(0, 100_000))
+def test_budgets_above_the_unwrapped_step_or_below_the_floor_skip_the_dp(
+    costs: tuple[StageCost, ...], loss: int | None
+) -> None:
+    """The DP takes about a second on a 56-stage chain; neither budget needs it (NOTE
+    [Planner shortcuts]), and both answers are still those of exhaustive search."""
+    whole = predict((Segment(0, len(costs), False),), costs, loss_bytes=loss).peak_bytes
+    floor = min_feasible_budget(costs, loss_bytes=loss)
+    with mock.patch.object(budget_module, "_solve_exact", side_effect=AssertionError("the DP ran")):
+        assert _solve(costs, whole, loss) == (Segment(0, len(costs), False),)
+        if floor > 0:
+            assert _solve(costs, floor - 1, loss) is None
 
 
 def test_infeasible_budget_names_the_floor_and_the_stage() -> None:

@@ -45,7 +45,6 @@ def test_budgets_on_a_block_walked_model_with_keyword_inputs_hold_and_predict_we
         assert abs(measured / plan.predicted_peak_bytes - 1) < 0.1
 
 
-
 def test_a_block_walked_profile_measures_in_one_allocator_session() -> None:
     """Each block used to be measured in a session of its own, nested in the step's: on CPU
     two profiler stops and starts per block, most of a small model's profile."""
@@ -56,6 +55,7 @@ def test_a_block_walked_profile_measures_in_one_allocator_session() -> None:
         prof = autockpt.profile(small_gpt(), (idx,), example_kwargs=kw, mode="blocks")
     assert prof.walker == "blocks" and len(prof.costs) == 9
     assert opened.call_count == 2  # the step, and the loss
+
 
 class LoopWithHead(nn.Module):
     """Blocks in a data-dependent loop (block walker) and a head with a wide output."""
