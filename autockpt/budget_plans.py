@@ -141,7 +141,9 @@ def budget_segments(
         segs = run_planner(get_planner("budget", where=where), request, where=where)
     except PlanInfeasibleError as err:
         raise PlanInfeasibleError(
-            str(err).replace("budget planner:", f"{where}:", 1), min_budget_bytes=err.min_budget_bytes
+            str(err).replace("budget planner:", f"{where}:", 1),
+            min_budget_bytes=err.min_budget_bytes,
+            unwrapped_bytes=err.unwrapped_bytes,
         ) from None
     prediction = predict(segs, prof.costs, loss_bytes=prof.loss_bytes)
     notes.extend(

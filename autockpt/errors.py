@@ -19,11 +19,17 @@ class PlanInfeasibleError(AutockptError):
 
     Attributes:
         min_budget_bytes: the smallest budget that has a plan, when the planner knows it.
+        unwrapped_bytes: the predicted peak of the step without checkpointing, when known:
+            with ``min_budget_bytes``, the range a budget can usefully take, so a retry needs
+            no second call to find it.
     """
 
-    def __init__(self, message: str, *, min_budget_bytes: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, min_budget_bytes: int | None = None, unwrapped_bytes: int | None = None
+    ) -> None:
         super().__init__(message)
         self.min_budget_bytes = min_budget_bytes
+        self.unwrapped_bytes = unwrapped_bytes
 
 
 class MutationError(AutockptError):

@@ -300,3 +300,6 @@ def test_a_named_policy_under_a_budget_trains_exactly_and_names_its_floor() -> N
         autockpt.make_plan(decoder(), budget=0.3, example_inputs=(x.float(),))
     assert plain_floor.checkpointed_segments > 0
     assert err.value.min_budget_bytes > plain.value.min_budget_bytes  # kept outputs raise the floor
+    # and the error carries the top of the useful range: what budget=1.0 resolves to
+    whole = autockpt.make_plan(decoder(), budget=1.0, example_inputs=(x.float(),)).budget_bytes
+    assert plain.value.unwrapped_bytes == whole

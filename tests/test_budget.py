@@ -139,6 +139,10 @@ def test_infeasible_budget_names_the_floor_and_the_stage() -> None:
         run_planner(get_planner("budget", where="t"), request, where="t")
     assert info.value.min_budget_bytes == min_feasible_budget(costs)
     assert f"is {autockpt.units.format_bytes(min_feasible_budget(costs))}" in str(info.value)
+    # the top of the useful range: the step without checkpointing, so a retry needs no second call
+    unwrapped = predict((Segment(0, 3, False),), costs).peak_bytes
+    assert info.value.unwrapped_bytes == unwrapped
+    assert f"peaks at {autockpt.units.format_bytes(unwrapped)}" in str(info.value)
 
 
 def test_prediction_says_where_the_peak_falls() -> None:

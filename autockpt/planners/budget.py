@@ -350,14 +350,20 @@ def budget_planner(request: PlanRequest) -> tuple[Segment, ...]:
         )
         floor += request.static_bytes
         model = CostModel(request.costs, request.loss_bytes)
+        whole = (Segment(0, request.n_stages, False),)
+        unwrapped = (
+            request.static_bytes + predict(whole, request.costs, loss_bytes=request.loss_bytes).peak_bytes
+        )
         worst = max(range(request.n_stages), key=lambda i: request.costs[i].bwd_peak_bytes)  # type: ignore[index]
         raise PlanInfeasibleError(
             f"budget planner: no plan fits budget={format_bytes(request.budget_bytes)}; the smallest "
             f"achievable peak for this model and input is {format_bytes(floor)} (parameters and "
             f"inputs {format_bytes(request.static_bytes)} included; no plan goes below the backward "
             f"working set of stage {request.stage_names[worst]!r}, "
-            f"{format_bytes(model.plain_local(worst, False))}). Raise the budget or reduce the batch size.",
+            f"{format_bytes(model.plain_local(worst, False))}; without checkpointing the step peaks "
+            f"at {format_bytes(unwrapped)}). Raise the budget or reduce the batch size.",
             min_budget_bytes=floor,
+            unwrapped_bytes=unwrapped,
         )
     return plan
 
