@@ -151,20 +151,30 @@ def test_an_op_profile_charges_each_op_the_measured_dispatch() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(costs_with_ops(max_stages=8), st.floats(0.2, 1.2))
-def test_numpys_offers_plan_exactly_as_pure_python(costs: tuple[StageCost, ...], fraction: float) -> None:
-    """The DP's vectorised offers (every batch of pairs here, however small) give the same
-    plan, kept ops and back-pointers included, as the pure-Python offers."""
+@given(costs_with_ops(max_stages=8), st.floats(0.2, 1.2), st.booleans())
+def test_numpys_offers_plan_exactly_as_pure_python(
+    costs: tuple[StageCost, ...], fraction: float, whole_ms: bool
+) -> None:
+    """The DP's fronts merged by numpy give the same plan, kept ops and back-pointers
+    included, as merged in pure Python (NOTE [Fronts merged once]); with times in whole
+    milliseconds, many paths tie, and ties must resolve alike."""
     from unittest import mock
 
-    from autockpt.planners import budget_offers
+    from autockpt.planners import budget_fronts
 
-    if budget_offers.NUMPY is None:
+    if budget_fronts.NUMPY is None:
         pytest.skip("numpy is not installed")
+    if whole_ms:
+        costs = tuple(
+            dataclasses.replace(
+                c, fwd_ms=float(round(c.fwd_ms)), bwd_ms=float(round(c.bwd_ms)), tail_ms=0.0, sac_ms=0.0,
+                ops=tuple(dataclasses.replace(o, ms=float(round(o.ms))) for o in c.ops),
+            )
+            for c in costs
+        )  # fmt: skip
     limit = int(fraction * predict((Segment(0, len(costs), False),), costs).peak_bytes)
-    with mock.patch.object(budget_offers, "VECTOR_FROM", 1):
-        vectorised = _solve(costs, limit, choose_ops=True)
-    with mock.patch.object(budget_offers, "NUMPY", None):
+    vectorised = _solve(costs, limit, choose_ops=True)
+    with mock.patch.object(budget_fronts, "NUMPY", None):
         plain = _solve(costs, limit, choose_ops=True)
     assert vectorised == plain
 

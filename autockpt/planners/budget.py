@@ -8,7 +8,9 @@ heterogeneous chains" (restricted here to one level of checkpoints; nested plans
 be given by hand).
 
 Algorithm: dynamic programming over positions keeping, per position, the Pareto front of
-(held bytes, recompute time). Exact for up to 64 stages. Beyond that (when numpy is
+(held bytes, recompute time), merged once every way to reach the position is offered
+(:mod:`autockpt.planners.budget_fronts`; 30-80 ms on a 56-62 stage convnet). Exact for up
+to 64 stages. Beyond that (when numpy is
 importable) the front is thinned to a grid of 1/128 of the budget: per grid cell, the
 least-recompute path whose held bytes fall in it, its bytes kept exact so every budget
 check is exact; checkpointed segments are at most 4 sqrt(n) stages long, and each
@@ -29,9 +31,9 @@ front holds at most 64 points; beyond that, points whose ``K`` and ``K_u`` agree
 recompute) are merged, keeping the largest ``M``. Complexity O(n * L * F * (P log F + m log F))
 for fronts of F points, position fronts of P points and m keepable ops per stage (the op
 fronts' filter bisects a staircase; with numpy, each segment's F * P (point, choice) pairs
-are merged by held bytes in one vectorised pass, and only those below the least recompute
-so far reach the Python front). Longer chains are planned without choosing ops. HF GPT-2
-(12 layers, 25 stages, position fronts of up to 10^4 points): about 3 s a plan.
+are reduced to their front in one vectorised pass before the position's merge). Longer
+chains are planned without choosing ops. HF GPT-2 (12 layers, 25 stages, position fronts of
+up to 10^4 points): 0.6-0.9 s a plan.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ from collections.abc import Sequence
 
 from autockpt.errors import PlanInfeasibleError
 from autockpt.plan import Segment
+from autockpt.planners.budget_fronts import Front, Offers, start
 from autockpt.planners.budget_grid import EXACT_UP_TO, longest_segment, merge_plain, solve_on_grid
-from autockpt.planners.budget_offers import as_arrays, offer, offer_segment
 from autockpt.planners.cost_model import CostModel, KeptOp, keepable_ops, predict
 from autockpt.planners.registry import PlanRequest, StageCost, register_planner
 from autockpt.units import format_bytes
@@ -85,8 +87,8 @@ def _solve(
 
 
 # NOTE [Planner shortcuts]
-#     The exact DP takes 0.1-0.4 s on a 56-stage chain (torchvision's mobilenet_v2 at
-#     64x64), several of its training steps, and two budgets need none of it: one the
+#     The exact DP took 0.1-0.6 s on a 56-stage chain (torchvision's mobilenet_v2 at
+#     64x64; 30-50 ms since its fronts are merged once), and two budgets need none of it: one the
 #     unwrapped step fits (recomputing nothing is optimal) and one below the floor, which
 #     ``_min_peak_exact`` finds in one backward pass (about 2% of the DP's time). Dropping
 #     the points of the DP's fronts that cannot end within the budget (what is held plus
@@ -171,39 +173,35 @@ def _bucket(n: int) -> int:
 def _solve_exact(
     model: CostModel, budget: int, choose_ops: bool = False, keep_only: list[list[bool]] | None = None
 ) -> tuple[Segment, ...] | None:
-    """Pareto fronts of exact held bytes (small chains).
+    """Pareto fronts of exact held bytes (small chains), each merged once all the ways to
+    reach its position are offered (NOTE [Fronts merged once] in ``budget_fronts.py``).
 
-    The inner loops run ``len(costs)`` squared times the front sizes, so they are written for
-    speed: plain tuples, ``(start, stop, checkpointed, option)``, become segments only on the
-    way back.
+    Items are plain tuples, ``(start, stop, checkpointed, option)``, until the way back.
     """
     costs = model.c
     n = len(costs)
-    # front[(i, kept)]: {held: (recompute, previous position, previous flag, previous held, segment)}
-    front: dict[tuple[int, bool], dict[int, tuple[float, int, bool, int, _Seg]]] = {
-        (i, k): {} for i in range(n + 1) for k in (False, True)
-    }
-    front[(0, True)][0] = (0.0, -1, True, 0, (0, 0, False, _NOTHING))  # the chain's input is static
+    offers = {(i, k): Offers() for i in range(1, n + 1) for k in (False, True)}
+    fronts: dict[tuple[int, bool], Front] = {(0, True): start(), (0, False): Offers().merge()}
     for s in range(n):
+        if s:
+            fronts.update({(s, k): offers.pop((s, k)).merge() for k in (False, True)})
         # selective checkpointing's dispatch over [s, s + j), paid by segments keeping ops
         dispatch = list(itertools.accumulate((c.sac_ms for c in costs[s:]), initial=0.0))
         for kept in (False, True):
-            points = sorted(front[(s, kept)].items())
-            if not points:
+            front = fronts[(s, kept)]
+            if not len(front):
                 continue
-            lowest = points[0][0]
-            plain = model.plain_local(s, kept)
-            held_plain = model.held(s, kept)
-            target = front[(s + 1, costs[s].keeps_output)]
-            for held, (cost, *_rest) in points:
-                if held + plain > budget:
-                    break
-                offer(target, held + held_plain, cost, s, kept, held, (s, s + 1, False, _NOTHING))
+            lowest = int(front.held[0])
+            plain = (
+                budget - model.plain_local(s, kept),
+                model.held(s, kept),
+                0.0,
+                (s, s + 1, False, _NOTHING),
+            )
+            offers[(s + 1, costs[s].keeps_output)].add(front, s, kept, [plain])
             new_held = model.checkpoint_held(s, kept)
-            costed = [(held, value[0]) for held, value in points]
-            arrays = as_arrays(costed)
             longest = min(longest_segment(model, s), n)
-            fronts = (
+            options = (
                 _op_fronts(model, s, longest)
                 if choose_ops
                 else _fixed_fronts(model, s, longest, keep_only)
@@ -213,20 +211,19 @@ def _solve_exact(
             for t, (fwd, bwd, ms) in enumerate(model.checkpoint_split(s, kept), start=s + 1):
                 if lowest + max(fwd, bwd) > budget or t > longest:
                     break
-                batch = [
+                ways = [
                     # a segment keeping ops pays selective checkpointing's dispatch
                     (budget - max(fwd + k, bwd + ku), new_held + k, ms - saved + dispatch[t - s] * bool(ops),
                      (s, t, True, option))
-                    for option in (fronts[t - s - 1] if fronts is not None else (_NOTHING,))
+                    for option in (options[t - s - 1] if options is not None else (_NOTHING,))
                     for k, ku, saved, ops in (option,)
                 ]  # fmt: skip
-                offer_segment(front[(t, False)], costed, arrays, batch, s, kept)
-        for flag in (False, True):
-            _prune(front[(s + 1, flag)])
+                offers[(t, False)].add(front, s, kept, ways)
+    fronts.update({(n, k): offers.pop((n, k)).merge() for k in (False, True)})
     ends = [
-        (v[0], h, flag)
+        (float(c), int(h), flag)
         for flag in (False, True)
-        for h, v in front[(n, flag)].items()
+        for h, c in zip(fronts[(n, flag)].held, fronts[(n, flag)].cost)
         if h + model.loss(flag) <= budget
     ]
     if not ends:
@@ -235,13 +232,10 @@ def _solve_exact(
     segments: list[Segment] = []
     pos = n
     while pos > 0:
-        _, prev, prev_flag, prev_held, (start, stop, checkpointed, option) = front[(pos, flag)][held]
-        segments.append(_segment(model, start, stop, checkpointed, option))
+        _, (prev, prev_flag, prev_held, (begin, stop, checkpointed, option)) = fronts[(pos, flag)].at(held)
+        segments.append(_segment(model, begin, stop, checkpointed, option))
         pos, flag, held = prev, prev_flag, prev_held
     return merge_plain(segments[::-1])
-
-
-_Seg = tuple[int, int, bool, Option]
 
 
 def _segment(model: CostModel, start: int, stop: int, checkpointed: bool, option: Option) -> Segment:
@@ -257,16 +251,6 @@ def _segment(model: CostModel, start: int, stop: int, checkpointed: bool, option
         for op in sorted(ops, key=lambda o: (o.stage, o.index))
     )
     return Segment(start, stop, checkpointed, keep=keep, kept_bytes=k, kept_ms=saved)
-
-
-def _prune(points: dict[int, tuple[float, int, bool, int, _Seg]]) -> None:
-    """Drop points that hold more and recompute no less than another point."""
-    best = math.inf
-    for held in sorted(points):
-        if points[held][0] >= best:
-            del points[held]
-        else:
-            best = points[held][0]
 
 
 def min_feasible_budget(
