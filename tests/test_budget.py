@@ -317,7 +317,7 @@ def test_infeasible_budget_through_the_api() -> None:
 def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> None:
     import random
 
-    from autockpt.planners.budget import _solve_exact
+    from autockpt.planners.budget import _min_peak_exact, _solve_exact
     from autockpt.planners.budget_grid import solve_on_grid
 
     rng = random.Random(1)
@@ -328,6 +328,9 @@ def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> N
     )  # fmt: skip
     unwrapped = predict((Segment(0, 80, False),), costs).peak_bytes
     floor = min_feasible_budget(costs)
+    # the grid reaches the exact floor here: found in one plan, not a bisection of twelve
+    assert floor == _min_peak_exact(CostModel(costs))
+    assert _solve(costs, floor) is not None and _solve(costs, floor - 1) is None
     budget = (floor + unwrapped) // 2
     grid, exact = solve_on_grid(CostModel(costs), budget), _solve_exact(CostModel(costs), budget)
     assert grid is not None and exact is not None

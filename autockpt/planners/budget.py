@@ -78,10 +78,10 @@ def _solve(
     whole = (Segment(0, len(costs), False),)
     if predict(whole, costs, loss_bytes=loss_bytes).peak_bytes <= budget:
         return whole  # nothing recomputed: no plan does better (NOTE [Planner shortcuts])
+    if _min_peak_exact(model) > budget:
+        return None  # below the floor of any plan, on the grid too (NOTE [Planner shortcuts])
     if len(costs) > EXACT_UP_TO and importlib.util.find_spec("numpy") is not None:
         return solve_on_grid(model, budget)
-    if _min_peak_exact(model) > budget:
-        return None  # below the floor (NOTE [Planner shortcuts])
     fixed = None if keep_only is None else [list(m) for m in keep_only]
     return _solve_exact(model, budget, choose_ops, fixed)  # exact; slow on long chains without numpy
 
@@ -263,13 +263,18 @@ def min_feasible_budget(
     """The smallest budget any single-level plan fits (the planner's floor); with
     ``keep_only`` (a named policy), any plan whose checkpointed segments keep those ops.
 
-    Up to 64 stages it is exact and found directly (:func:`_min_peak_exact`); beyond that,
-    or under a policy, by bisection on the planner, to within 0.1% and rounded up.
+    Up to 64 stages it is exact and found directly (:func:`_min_peak_exact`). Beyond that,
+    or under a policy, it is the planner's: that exact floor when the planner reaches it
+    (kept ops only add bytes, and the grid only drops paths, so it is a lower bound for
+    both), else by bisection above it, to within 0.1% and rounded up.
     """
     model = CostModel(costs, loss_bytes, spans)
+    floor = _min_peak_exact(model)
     if keep_only is None and (len(costs) <= EXACT_UP_TO or importlib.util.find_spec("numpy") is None):
-        return _min_peak_exact(model)
-    lo, hi = 0, predict((Segment(0, len(costs), False),), costs, loss_bytes=loss_bytes).peak_bytes
+        return floor
+    if _solve(costs, floor, loss_bytes, spans, keep_only=keep_only) is not None:
+        return floor
+    lo, hi = floor, predict((Segment(0, len(costs), False),), costs, loss_bytes=loss_bytes).peak_bytes
     while hi - lo > max(1, hi // 1000):
         mid = (lo + hi) // 2
         if _solve(costs, mid, loss_bytes, spans, keep_only=keep_only) is None:
