@@ -232,7 +232,7 @@ def _solve_exact(
     segments: list[Segment] = []
     pos = n
     while pos > 0:
-        _, (prev, prev_flag, prev_held, (begin, stop, checkpointed, option)) = fronts[(pos, flag)].at(held)
+        prev, prev_flag, prev_held, (begin, stop, checkpointed, option) = fronts[(pos, flag)].back_of(held)
         segments.append(_segment(model, begin, stop, checkpointed, option))
         pos, flag, held = prev, prev_flag, prev_held
     return merge_plain(segments[::-1])

@@ -43,28 +43,27 @@ recompute it adds, the item)."""
 
 @dataclass
 class Front:
-    """A position's Pareto front: held bytes ascending, recompute strictly descending; each
-    point's back-pointer (``back``: a list, or a function of the point's index, read only on
-    the way back)."""
+    """A position's Pareto front: held bytes ascending, recompute strictly descending, and
+    ``back``, a point's back-pointer by its index (read only on the way back)."""
 
     held: Any  # int64 numpy array; a list of ints without numpy
     cost: Any  # float64 numpy array; a list of floats without numpy
-    back: list[Back] | Callable[[int], Back]
+    back: Callable[[int], Back]
 
     def __len__(self) -> int:
         return len(self.held)
 
     def fitting(self, room: int) -> int:
         """How many points hold at most ``room`` bytes."""
-        if NUMPY is not None and not isinstance(self.held, list):
+        if NUMPY is not None:
             return int(NUMPY.searchsorted(self.held, room, side="right"))
         return bisect.bisect_right(self.held, room)
 
-    def at(self, held: int) -> tuple[float, Back]:
-        """The recompute and back-pointer of the point holding ``held`` bytes."""
+    def back_of(self, held: int) -> Back:
+        """The back-pointer of the point holding ``held`` bytes."""
         i = self.fitting(held) - 1
         assert i >= 0 and int(self.held[i]) == held, held
-        return float(self.cost[i]), self.back(i) if callable(self.back) else self.back[i]
+        return self.back(i)
 
 
 def start() -> Front:
@@ -74,8 +73,10 @@ def start() -> Front:
 
 def _front(held: list[int], cost: list[float], back: list[Back]) -> Front:
     if NUMPY is None:
-        return Front(held, cost, back)
-    return Front(NUMPY.array(held, dtype=NUMPY.int64), NUMPY.array(cost, dtype=NUMPY.float64), back)
+        return Front(held, cost, back.__getitem__)
+    return Front(
+        NUMPY.array(held, dtype=NUMPY.int64), NUMPY.array(cost, dtype=NUMPY.float64), back.__getitem__
+    )
 
 
 @dataclass
@@ -163,7 +164,7 @@ class Offers:
                 held.append(h)
                 cost.append(c)
                 back.append((prev, flag, s, item))
-        return Front(held, cost, back)
+        return Front(held, cost, back.__getitem__)
 
 
 def _front_of(held: Any, cost: Any) -> Any:
