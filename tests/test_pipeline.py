@@ -57,6 +57,67 @@ def test_a_block_walked_profile_measures_in_one_allocator_session() -> None:
     assert opened.call_count == 2  # the step, and the loss
 
 
+def test_a_chain_profile_measures_its_bytes_in_one_allocator_session() -> None:
+    """A session per stage cost a profiler start and stop each (NOTE [One session per
+    profile]); the bytes must be those of stages measured one by one."""
+    from autockpt.measure import memory
+    from autockpt.measure.profiling import measured_stage_in
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *(nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 32)) for _ in range(6))
+    )
+    x = torch.randn(16, 32)
+    with mock.patch.object(memory, "open_session", wraps=memory.open_session) as opened:
+        prof = autockpt.profile(model, (x,))
+    assert len(prof.costs) == 18
+    assert opened.call_count == 2  # the stages, and the loss
+    value = x
+    for stage, cost in zip([m for block in model for m in block], prof.costs):
+        with memory.Windows(torch.device("cpu"), collect=False) as windows:
+            alone, value = measured_stage_in(windows, stage, [stage], value, torch.device("cpu"), 1)
+        one = alone()
+        assert (one.kept_bytes, one.out_bytes, one.fwd_peak_bytes, one.bwd_peak_bytes) == (
+            cost.kept_bytes,
+            cost.out_bytes,
+            cost.fwd_peak_bytes,
+            cost.bwd_peak_bytes,
+        )
+
+
+def test_a_second_plan_on_the_same_inputs_walks_and_dry_runs_once() -> None:
+    """make_plan then auto_checkpoint, or a retry after PlanInfeasibleError, reuse the walk
+    (NOTE [Walks remembered]); anything the walk depends on makes a fresh one."""
+    from autockpt.measure import walk_memo
+
+    model = small_gpt()
+    idx, mask = torch.randint(0, 64, (4, 32)), torch.ones(4, 32)
+    with mock.patch.object(walk_memo, "walk", wraps=walk_memo.walk) as walked:
+        autockpt.make_plan(model, budget=0.8, example_inputs=(idx, mask))
+        autockpt.make_plan(model, budget=0.9, example_inputs=(idx, mask))
+        assert walked.call_count == 1
+        autockpt.make_plan(model, budget=0.9, example_inputs=(idx[:2], mask[:2]))  # other shapes
+        assert walked.call_count == 2
+        model.blocks[1] = copy.deepcopy(model.blocks[1])  # another module
+        autockpt.make_plan(model, example_inputs=(idx[:2], mask[:2]))
+        assert walked.call_count == 3
+        model.eval()
+        autockpt.make_plan(model, example_inputs=(idx[:2], mask[:2]))
+        assert walked.call_count == 4
+        model.train()
+        autockpt.auto_checkpoint(model, example_inputs=(idx[:2], mask[:2]))
+        assert walked.call_count == 5  # only the latest walk is kept
+        autockpt.auto_checkpoint(model, example_inputs=(idx[:2], mask[:2]))  # installed: a new forward
+        assert walked.call_count == 6
+        autockpt.make_plan(model, example_inputs=(idx[:2], mask[:2]))
+        assert walked.call_count == 7  # installing again replaced the forward
+        autockpt.make_plan(model, example_inputs=(idx[:2], mask[:2]))
+        assert walked.call_count == 7
+        model.blocks[0].attn.register_forward_hook(lambda *a: None)
+        autockpt.make_plan(model, example_inputs=(idx[:2], mask[:2]))
+        assert walked.call_count == 8  # a hook
+
+
 class LoopWithHead(nn.Module):
     """Blocks in a data-dependent loop (block walker) and a head with a wide output."""
 

@@ -5,6 +5,15 @@ require gradients. Bytes are allocator-level (``track_memory``), so op workspace
 oneDNN's reorder buffers are in them; they are exact for a given input, while times are
 medians of repeats and stay noisy. The run is invisible like the dry run: buffers, RNG and
 ``.grad`` are put back.
+
+NOTE [One session per profile]
+    On CPU, opening an allocator session starts the profiler and closing it stops it and
+    reads its events: about 0.4 ms each, 30 ms for the 78 stages of a small timm
+    mobilenet, most of a training step. A chain is therefore measured in two passes: every
+    stage's times first, outside any session (the profiler's per-op hooks would slow what
+    is timed), then every stage's bytes, in windows of one session. Each pass holds one
+    stage's input at a time, and the timing pass's warm-up leaves each stage warm for the
+    bytes pass, as measuring a stage's times and bytes back to back did.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from autockpt.tensors import (
 from autockpt.timeline import Curve, MemoryTimeline, predicted_curve
 from autockpt.units import format_bytes
 
-__all__ = ["Profile", "StageRun", "measure_loss", "measure_stage", "measured_stage_in", "profile_chain"]
+__all__ = ["Profile", "StageRun", "measure_loss", "measured_stage_in", "profile_chain"]
 
 
 @dataclass(frozen=True)
@@ -209,32 +218,6 @@ def _table(rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
     ]
 
 
-def measure_stage(
-    stage: StageRun,
-    modules: Sequence[nn.Module],
-    x: Any,
-    device: torch.device,
-    repeats: int,
-    *,
-    grads_as_given: bool = False,
-    ops: bool = False,
-) -> tuple[StageCost, Any]:
-    """What running ``stage`` on ``x`` costs in a training step, and its output (detached).
-
-    ``modules`` are those the stage calls, whose parameter gradients it leaves behind. Each
-    measurement collects only the young generations: old garbage must be kept from being
-    freed inside it (``model_profile.old_garbage_kept`` pauses the collector).
-    Floating-point inputs are made to require gradients, as activations do; with
-    ``grads_as_given``, only those that require gradients already (see
-    :func:`~autockpt.tensors.requiring_grad`). With ``ops``, the stage's ops are profiled
-    too (:func:`~autockpt.measure.ops.measure_ops`).
-    """
-    times = _stage_times(stage, modules, x, device, repeats, grads_as_given, ops)
-    with Windows(device, collect=False) as windows:  # the caller collected garbage once
-        cost, value = _stage_cost_in(windows, stage, modules, x, device, times, grads_as_given=grads_as_given)
-    return cost(), value
-
-
 StageTimes = tuple[float, float, float, tuple[OpCost, ...]]
 """A stage's forward, backward and tail ms, and its op profile (empty unless asked for)."""
 
@@ -247,15 +230,18 @@ def _stage_times(
     repeats: int,
     grads_as_given: bool,
     ops: bool,
-) -> StageTimes:
+) -> tuple[StageTimes, Any]:
+    """The stage's times (measured after a warm-up run; nominal on meta) and its output
+    (``None`` on meta)."""
     params = _trained(modules)
+    out = None
     if device.type == "meta":
         fwd_ms, bwd_ms = nominal_times(stage, x, params, grads_as_given)
         tail_ms = 0.0  # unknown: a recompute counts the whole stage
     else:  # also warms up
-        fwd_ms, bwd_ms, tail_ms = stage_times(stage, x, params, repeats, device, grads_as_given)
+        fwd_ms, bwd_ms, tail_ms, out = stage_times(stage, x, params, repeats, device, grads_as_given)
     op_costs = measure_ops(stage, x, device, grads_as_given=grads_as_given) if ops else ()
-    return fwd_ms, bwd_ms, tail_ms, op_costs
+    return (fwd_ms, bwd_ms, tail_ms, op_costs), out
 
 
 def measured_stage_in(
@@ -272,7 +258,7 @@ def measured_stage_in(
     """:func:`measure_stage` inside an allocator session the caller holds open (one session
     for many measurements: each CPU session costs a profiler start and stop); the cost is
     read, by calling the function returned, once that session has closed."""
-    times = _stage_times(stage, modules, x, device, repeats, grads_as_given, ops)
+    times, _ = _stage_times(stage, modules, x, device, repeats, grads_as_given, ops)
     return _stage_cost_in(windows, stage, modules, x, device, times, grads_as_given=grads_as_given)
 
 
@@ -366,22 +352,42 @@ def profile_chain(
     model: nn.Module, chain: Chain, x: Any, static_bytes: int, *, repeats: int = 3, ops: bool = False
 ) -> Profile:
     """Measure every stage of ``chain`` starting from the chain's input value ``x`` (the
-    caller keeps old garbage alive, see :func:`measure_stage`); ``ops`` adds the op-level
-    profile."""
+    caller keeps old garbage alive); ``ops`` adds the op-level profile.
+
+    Two passes over the chain, each holding one stage's input at a time: the times (each
+    stage warmed up first), then the bytes, every stage in windows of one allocator
+    session (NOTE [One session per profile])."""
     device = device_of(model, x)
     grads = [(p, p.grad) for p in model.parameters()]
-    costs = []  # the caller collected garbage once: each stage collects the young generations
+    stages = [(stage, [m for u in stage.units for m in u.modules]) for stage in chain.stages]
     try:
         with dry_run_state(model, x):
-            value = x
-            for stage in chain.stages:
-                modules = [m for u in stage.units for m in u.modules]
-                cost, value = measure_stage(stage, modules, value, device, repeats, ops=ops)
-                costs.append(cost)
+            costs = _measure_chain(stages, x, device, repeats, ops)
     finally:
         for p, g in grads:
             p.grad = g
-    return Profile(chain.walker, chain.names, tuple(costs), static_bytes, str(device))
+    return Profile(chain.walker, chain.names, costs, static_bytes, str(device))
+
+
+def _measure_chain(
+    stages: Sequence[tuple[StageRun, list[nn.Module]]], x: Any, device: torch.device, repeats: int, ops: bool
+) -> tuple[StageCost, ...]:
+    """Each stage's cost, the stages chained from ``x`` (see :func:`profile_chain`)."""
+    times: list[StageTimes] = []
+    if device.type != "meta":  # the timing pass, outside the allocator session
+        value = x
+        for stage, modules in stages:
+            t, value = _stage_times(stage, modules, value, device, repeats, False, ops)
+            times.append(t)
+    costs = []
+    with Windows(device, collect=False) as windows:
+        value = x
+        for i, (stage, modules) in enumerate(stages):
+            if device.type == "meta":  # nominal times, from the same input; nothing is allocated
+                times.append(_stage_times(stage, modules, value, device, repeats, False, ops)[0])
+            cost, value = _stage_cost_in(windows, stage, modules, value, device, times[i])
+            costs.append(cost)
+    return tuple(cost() for cost in costs)
 
 
 def measure_loss(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.tensors import requiring_grad, storage_bytes, tensors_in
+from autockpt.tensors import cloned, requiring_grad, storage_bytes, tensors_in
 
 __all__ = [
     "NOMINAL_BYTES_PER_MS",
@@ -101,12 +101,14 @@ def stage_times(
     repeats: int,
     device: torch.device,
     grads_as_given: bool,
-) -> tuple[float, float, float]:
-    """Median forward, backward and tail ms over ``repeats`` runs, after one warm-up run.
+) -> tuple[float, float, float, Any]:
+    """Median forward, backward and tail ms over ``repeats`` runs, after one warm-up run,
+    and the last run's output (detached, copied: the next stage's input).
 
     The tail is the forward's time after it saved its last tensor for backward: what a
     recompute ending with this stage skips (NOTE [The tail a recompute skips])."""
     fwd, bwd, tail = [], [], []
+    out: Any = None
     for i in range(max(1, repeats) + 1):
         inputs, _ = requiring_grad(x, as_given=grads_as_given)
         clock = Clock(device)
@@ -137,4 +139,5 @@ def stage_times(
         statistics.median(fwd),
         statistics.median(bwd),
         min(statistics.median(tail), statistics.median(fwd)),
+        cloned(out),
     )
