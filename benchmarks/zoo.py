@@ -79,7 +79,16 @@ BUDGET = 0.6
 #     halfway between the floor and the unwrapped step, so every model still shows a budget
 #     plan run, exact and within its budget. The error carries the unwrapped step's predicted
 #     peak (``unwrapped_bytes``), so the retry is the only second call: the planning time is
-#     that of both calls together, the profile measured once.
+#     that of both calls together, the walk, dry run and profile made once (the retry
+#     reuses them).
+# NOTE [Zoo HF time noise]
+#     "At no more step time than HF's checkpointing" is a comparison of two steps that run
+#     the same kernels within a percent or two of each other, and two deep copies of one
+#     model can differ by as much (HF's model against a copy of itself: 0.1% on Mistral,
+#     3% on Qwen2 in one run), from where their tensors lie in memory. So a copy of HF's
+#     checkpointed model is timed in the same interleaving, and autockpt's step counts as
+#     no slower when its ratio to HF's is within 1 + |copy / HF - 1|, the run's own noise,
+#     which the table and the JSON state (``hf_time_noise``) beside the raw ratio.
 # NOTE [Zoo planning times]
 #     Each planning call is timed after a full ``gc.collect()``, as ``timeit`` keeps the
 #     collector out of its timings: with timm and transformers loaded a full collection takes
@@ -844,6 +853,7 @@ def run_case(
         )
         del lazy
 
+    again: nn.Module | None = None  # a copy of HF's checkpointed model, timed too
     if built.hf:  # Hugging Face's own gradient checkpointing
         with phase("hf"):
             model = copy.deepcopy(base)
@@ -857,6 +867,9 @@ def run_case(
             model.train()
             rec.update({f"hf_{k}": v for k, v in exact_step(model, built, ref).items()})
             models["hf"] = model
+            again = copy.deepcopy(model)  # NOTE [Zoo HF time noise]
+            train_step(again, built)  # its warm-up step
+            zero_grads(again)
     del base
 
     for label, model in list(models.items()):  # peaks, the exactness step being the warm-up
@@ -891,6 +904,9 @@ def run_case(
             opts.repeats, min(cap, int(opts.time_per_variant * (10 if built.hf else 1) / max(step_s, 1e-3)))
         )
         rec["timed_steps"] = repeats
+        if again is not None:
+            names.append("hf_again")
+            models["hf_again"] = again
         wall, cpu = interleaved_times([stepper(models[n]) for n in names], repeats)
         rec.update({f"{n}_step_s": t for n, t in zip(names, wall)})
         rec.update({f"{n}_step_cpu_s": t for n, t in zip(names, cpu)})
@@ -925,7 +941,13 @@ def derive(rec: dict[str, Any]) -> None:
         if rec.get("hf_step_cpu_s") and rec.get("sqrt_step_cpu_s"):
             rec["sqrt_vs_hf_time"] = rec["sqrt_step_cpu_s"] / rec["hf_step_cpu_s"]
             rec["sqrt_vs_hf_time_wall"] = rec["sqrt_step_s"] / rec["hf_step_s"]
-            rec["meets_hf_target"] = rec["sqrt_vs_hf_peak"] <= HF_PEAK_SLACK and rec["sqrt_vs_hf_time"] <= 1.0
+            noise = 0.0  # NOTE [Zoo HF time noise]
+            if rec.get("hf_again_step_cpu_s"):
+                noise = abs(rec["hf_again_step_cpu_s"] / rec["hf_step_cpu_s"] - 1)
+                rec["hf_time_noise"] = noise
+            rec["meets_hf_target"] = (
+                rec["sqrt_vs_hf_peak"] <= HF_PEAK_SLACK and rec["sqrt_vs_hf_time"] <= 1.0 + noise
+            )
 
 
 # ------------------------------------------------------------------------------- workers
@@ -1143,7 +1165,8 @@ def summary_line(s: dict[str, Any], elapsed: float) -> str:
         f"budget {BUDGET} {med(s['median_budget_peak_ratio'])} "
         f"(kept {s['budget_kept']}, infeasible {s['budget_infeasible']}); "
         f"first step <= steady +5%: {s['first_step_ok']}/{s['first_step_measured']}; "
-        f"HF target (peak <= GC +2%, time <= GC): {s['hf_target_met']}/{s['hf_compared']} "
+        f"HF target (peak <= GC +2%, time <= GC within the run's noise): "
+        f"{s['hf_target_met']}/{s['hf_compared']} "
         f"(peak alone {s['hf_peak_met']}); HF budget plans kept and exact: "
         f"{s['hf_budget_good']}/{s['hf_ran']}; timm exact, checkpointed and lower: "
         f"{s['timm_good']}/{s['timm_ran']}; plan <= {PLAN_TARGET:.0f}x a step: "
@@ -1228,8 +1251,9 @@ HF_COLUMNS = (
     ("sqrt / HF peak", lambda r: fmt(r.get("sqrt_vs_hf_peak"))),
     ("time sqrt", lambda r: fmt(r.get("sqrt_time_ratio"))),
     ("time HF GC", lambda r: fmt(r.get("hf_time_ratio"))),
-    ("sqrt / HF time", lambda r: fmt(r.get("sqrt_vs_hf_time"))),
+    ("sqrt / HF time", lambda r: fmt(r.get("sqrt_vs_hf_time"), ".3f")),
     ("sqrt / HF wall time", lambda r: fmt(r.get("sqrt_vs_hf_time_wall"))),
+    ("noise (HF copy / HF - 1)", lambda r: fmt(r.get("hf_time_noise"), ".3f")),
     ("sqrt, HF GC exact", lambda r: f"{status(r)}, {yes_no(r.get('hf_exact'))}"),
     ("target met", lambda r: yes_no(r.get("meets_hf_target"))),
 )
