@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.chain import Chain
+from autockpt.chain import Chain, Stage
 from autockpt.measure.dispatch import selective_dispatch_ms
 from autockpt.measure.losses import LossFn, step_loss
 from autockpt.measure.memory import Windows
@@ -224,7 +224,7 @@ StageTimes = tuple[float, float, float, tuple[OpCost, ...]]
 
 def _stage_times(
     stage: StageRun,
-    modules: Sequence[nn.Module],
+    params: list[nn.Parameter],
     x: Any,
     device: torch.device,
     repeats: int,
@@ -233,7 +233,6 @@ def _stage_times(
 ) -> tuple[StageTimes, Any]:
     """The stage's times (measured after a warm-up run; nominal on meta) and its output
     (``None`` on meta)."""
-    params = _trained(modules)
     out = None
     if device.type == "meta":
         fwd_ms, bwd_ms = nominal_times(stage, x, params, grads_as_given)
@@ -258,14 +257,15 @@ def measured_stage_in(
     """:func:`measure_stage` inside an allocator session the caller holds open (one session
     for many measurements: each CPU session costs a profiler start and stop); the cost is
     read, by calling the function returned, once that session has closed."""
-    times, _ = _stage_times(stage, modules, x, device, repeats, grads_as_given, ops)
-    return _stage_cost_in(windows, stage, modules, x, device, times, grads_as_given=grads_as_given)
+    params = _trained(modules)
+    times, _ = _stage_times(stage, params, x, device, repeats, grads_as_given, ops)
+    return _stage_cost_in(windows, stage, params, x, device, times, grads_as_given=grads_as_given)
 
 
 def _stage_cost_in(
     windows: Windows,
     stage: StageRun,
-    modules: Sequence[nn.Module],
+    params: list[nn.Parameter],
     x: Any,
     device: torch.device,
     times: StageTimes,
@@ -274,7 +274,6 @@ def _stage_cost_in(
 ) -> tuple[Callable[[], StageCost], Any]:
     """The memory half of :func:`measure_stage`: one forward and backward in four windows
     of ``windows``; the cost once ``windows`` has closed, and the stage's output."""
-    params = _trained(modules)
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -332,10 +331,19 @@ def _stage_cost_in(
     return cost, next_value
 
 
-def _trained(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
-    """The parameters of ``modules`` that require gradients, each once."""
-    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+def _trained(modules: Sequence[nn.Module], reads: Sequence[nn.Module] = ()) -> list[nn.Parameter]:
+    """The parameters that require gradients, each once: those of ``modules`` (called) and
+    the own ones of ``reads`` (modules whose parameters a traced piece reads directly, as
+    timm's ``Linear`` subclass, which fx traces through to ``F.linear``)."""
+    owned = [p for m in modules for p in m.parameters()]
+    owned += [p for m in reads for p in m.parameters(recurse=False)]
+    params = list({id(p): p for p in owned}.values())
     return [p for p in params if p.requires_grad]
+
+
+def _stage_params(stage: Stage) -> list[nn.Parameter]:
+    """The parameters a stage trains: of the modules it calls and those it reads."""
+    return _trained([m for u in stage.units for m in u.modules], [m for u in stage.units for m in u.reads])
 
 
 def _seeded_loss(outs: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -359,7 +367,7 @@ def profile_chain(
     session (NOTE [One session per profile])."""
     device = device_of(model, x)
     grads = [(p, p.grad) for p in model.parameters()]
-    stages = [(stage, [m for u in stage.units for m in u.modules]) for stage in chain.stages]
+    stages = [(stage, _stage_params(stage)) for stage in chain.stages]
     try:
         with dry_run_state(model, x):
             costs = _measure_chain(stages, x, device, repeats, ops)
@@ -370,22 +378,26 @@ def profile_chain(
 
 
 def _measure_chain(
-    stages: Sequence[tuple[StageRun, list[nn.Module]]], x: Any, device: torch.device, repeats: int, ops: bool
+    stages: Sequence[tuple[StageRun, list[nn.Parameter]]],
+    x: Any,
+    device: torch.device,
+    repeats: int,
+    ops: bool,
 ) -> tuple[StageCost, ...]:
     """Each stage's cost, the stages chained from ``x`` (see :func:`profile_chain`)."""
     times: list[StageTimes] = []
     if device.type != "meta":  # the timing pass, outside the allocator session
         value = x
-        for stage, modules in stages:
-            t, value = _stage_times(stage, modules, value, device, repeats, False, ops)
+        for stage, params in stages:
+            t, value = _stage_times(stage, params, value, device, repeats, False, ops)
             times.append(t)
     costs = []
     with Windows(device, collect=False) as windows:
         value = x
-        for i, (stage, modules) in enumerate(stages):
+        for i, (stage, params) in enumerate(stages):
             if device.type == "meta":  # nominal times, from the same input; nothing is allocated
-                times.append(_stage_times(stage, modules, value, device, repeats, False, ops)[0])
-            cost, value = _stage_cost_in(windows, stage, modules, value, device, times[i])
+                times.append(_stage_times(stage, params, value, device, repeats, False, ops)[0])
+            cost, value = _stage_cost_in(windows, stage, params, value, device, times[i])
             costs.append(cost)
     return tuple(cost() for cost in costs)
 
