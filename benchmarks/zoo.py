@@ -18,7 +18,8 @@ in a fresh worker process with a timeout:
   its first training forward), peak of the first step over the peak of its next one.
 * Hugging Face models: the same figures for ``activation_checkpointing_enable()``
   (``gradient_checkpointing_enable()`` before transformers 5), the target being autockpt's
-  ``"sqrt"`` peak within 2% of it at no more step time. The text models run twice: once
+  ``"sqrt"`` peak within 2% of it at no more step time, within the run's noise (a copy of
+  HF's model timed beside it, NOTE [Zoo HF time noise]). The text models run twice: once
   unpadded, once with right-padded rows (``attention_mask`` zeros, labels -100 there).
 
 The unwrapped model is also stepped twice from the same state: where the two disagree, the
@@ -1318,8 +1319,9 @@ def markdown(records: list[dict[str, Any]], s: dict[str, Any], line: str, meta: 
             "## Hugging Face: autockpt sqrt vs the model's own gradient checkpointing",
             "",
             f"Target: autockpt's sqrt peak <= gradient checkpointing's peak "
-            f"+{(HF_PEAK_SLACK - 1) * 100:.0f}% at no more step time (CPU time). Peaks and times over "
-            "the unwrapped step's.",
+            f"+{(HF_PEAK_SLACK - 1) * 100:.0f}% at no more step time (CPU time) than gradient "
+            "checkpointing's, within the run's noise: |HF copy / HF - 1|, a copy of HF's model timed "
+            "in the same interleaving. Peaks and times over the unwrapped step's.",
             "",
             *table(hf, HF_COLUMNS),
         ]
