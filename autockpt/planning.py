@@ -30,14 +30,15 @@ from torch import nn
 from autockpt.budget_plans import BudgetCosts, OpPolicy, budget_costs, budget_segments, policy_masks
 from autockpt.chain import Chain, DryRun, Unit, build_chain
 from autockpt.errors import AutockptError
+from autockpt.measure.dry_run import dry_run
 from autockpt.measure.losses import LossFn
-from autockpt.measure.walk_memo import walked_on
 from autockpt.plan import Plan, Segment, StageFigures
 from autockpt.planners import Planner, PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import estimated_peak, uniform_plan
 from autockpt.tensors import as_args
 from autockpt.units import format_bytes
 from autockpt.walkers import Walked, walk
+from autockpt.walkers.graph import none_pattern
 
 __all__ = [
     "SegmentsSpec",
@@ -113,11 +114,12 @@ def walk_and_dry_run(
     """The walk, the dry run (with example inputs, else the one reused from ``previous``)
     and the chain of stages they give."""
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
-    if example_inputs is not None or example_kwargs:
-        walked, dry = walked_on(model, args, kwargs, mode, where=where)  # NOTE [Walks remembered]
-    else:
-        walked = walk(model, mode, where=where)
-        dry = reused_dry_run(walked, previous)
+    has_inputs = example_inputs is not None or bool(example_kwargs)
+    none_args = none_pattern(model, args, kwargs) if has_inputs else None  # trace for this call
+    walked = walk(model, mode, where=where, none_args=none_args)
+    dry = (
+        dry_run(model, walked, args, kwargs, where=where) if has_inputs else reused_dry_run(walked, previous)
+    )
     return walked, dry, build_chain(walked.walker, walked.units, dry)
 
 

@@ -80,8 +80,7 @@ BUDGET = 0.6
 #     halfway between the floor and the unwrapped step, so every model still shows a budget
 #     plan run, exact and within its budget. The error carries the unwrapped step's predicted
 #     peak (``unwrapped_bytes``), so the retry is the only second call: the planning time is
-#     that of both calls together, the walk, dry run and profile made once (the retry
-#     reuses them).
+#     that of both calls together, the profile measured once.
 # NOTE [Zoo HF time noise]
 #     "At no more step time than HF's checkpointing" is a comparison of two steps that run
 #     the same kernels within a percent or two of each other, and two deep copies of one

@@ -85,39 +85,6 @@ def test_a_chain_profile_measures_its_bytes_in_one_allocator_session() -> None:
         )
 
 
-def test_a_second_plan_on_the_same_inputs_walks_and_dry_runs_once() -> None:
-    """make_plan then auto_checkpoint, or a retry after PlanInfeasibleError, reuse the walk
-    (NOTE [Walks remembered]); anything the walk depends on makes a fresh one."""
-    from autockpt.measure import walk_memo
-
-    model = small_gpt()
-    idx, mask = torch.randint(0, 64, (4, 32)), torch.ones(4, 32)
-    with mock.patch.object(walk_memo, "walk", wraps=walk_memo.walk) as walked:
-        autockpt.make_plan(model, budget=0.8, example_inputs=(idx, mask))
-        autockpt.make_plan(model, budget=0.9, example_inputs=(idx, mask))
-        assert walked.call_count == 1
-        autockpt.make_plan(model, budget=0.9, example_inputs=(idx[:2], mask[:2]))  # other shapes
-        assert walked.call_count == 2
-        model.blocks[1] = copy.deepcopy(model.blocks[1])  # another module
-        autockpt.make_plan(model, example_inputs=(idx[:2], mask[:2]))
-        assert walked.call_count == 3
-        model.eval()
-        autockpt.make_plan(model, example_inputs=(idx[:2], mask[:2]))
-        assert walked.call_count == 4
-        model.train()
-        autockpt.auto_checkpoint(model, example_inputs=(idx[:2], mask[:2]))
-        assert walked.call_count == 5  # only the latest walk is kept
-        autockpt.auto_checkpoint(model, example_inputs=(idx[:2], mask[:2]))  # installed: a new forward
-        assert walked.call_count == 6
-        autockpt.make_plan(model, example_inputs=(idx[:2], mask[:2]))
-        assert walked.call_count == 7  # installing again replaced the forward
-        autockpt.make_plan(model, example_inputs=(idx[:2], mask[:2]))
-        assert walked.call_count == 7
-        model.blocks[0].attn.register_forward_hook(lambda *a: None)
-        autockpt.make_plan(model, example_inputs=(idx[:2], mask[:2]))
-        assert walked.call_count == 8  # a hook
-
-
 class LoopWithHead(nn.Module):
     """Blocks in a data-dependent loop (block walker) and a head with a wide output."""
 

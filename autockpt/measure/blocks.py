@@ -30,7 +30,7 @@ NOTE [The model's output in a block profile]
     backward was predicted one output too low: 16% under the measured peak, and 9% over
     the budget, for a head with a wide output. So the last gap's output is the model's (as
     far as that gap allocated it), and its gradient is taken off the gap's backward peak,
-    as ``measure_stage`` does for any stage.
+    as ``profile_chain`` does for any stage.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def _assemble(
     """The profile's stages from the step's windows. The last gap's output is the model's:
     the cost model keeps it alive through the whole backward, so it must not hide among the
     bytes that gap keeps, and its gradient, made in that gap's backward window, is taken off
-    the window's peak as :func:`measure_stage` does (NOTE [The model's output in a block
+    the window's peak as ``profile_chain`` does (NOTE [The model's output in a block
     profile])."""
     n = len(chain.stages)
     missing = [chain.names[i] for i in range(n) if i not in alone]

@@ -27,11 +27,12 @@ from torch import nn
 
 from autockpt.chain import Chain, build_chain
 from autockpt.measure.blocks import profile_blocks
+from autockpt.measure.dry_run import dry_run
 from autockpt.measure.losses import LossFn
 from autockpt.measure.profiling import Profile, measure_loss, profile_chain
-from autockpt.measure.walk_memo import walked_on
 from autockpt.tensors import as_args, static_bytes, tensors_in
-from autockpt.walkers import Walked
+from autockpt.walkers import Walked, walk
+from autockpt.walkers.graph import none_pattern
 
 __all__ = ["model_profile", "profile"]
 
@@ -190,8 +191,8 @@ def profile(
         [128, 128, 128]
     """
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
-    walked, dry = walked_on(model, args, kwargs, mode, where="profile")  # NOTE [Walks remembered]
-    chain = build_chain(walked.walker, walked.units, dry)
+    walked = walk(model, mode, where="profile", none_args=none_pattern(model, args, kwargs))
+    chain = build_chain(walked.walker, walked.units, dry_run(model, walked, args, kwargs, where="profile"))
     return model_profile(
         model, walked, chain, args, kwargs, loss_fn=loss_fn, where="profile", repeats=repeats, cached=False,
         ops=ops,

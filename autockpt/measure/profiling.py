@@ -254,11 +254,12 @@ def measured_stage_in(
     grads_as_given: bool = False,
     ops: bool = False,
 ) -> tuple[Callable[[], StageCost], Any]:
-    """:func:`measure_stage` inside an allocator session the caller holds open (one session
-    for many measurements: each CPU session costs a profiler start and stop); the cost is
-    read, by calling the function returned, once that session has closed."""
+    """One stage measured as :func:`profile_chain` measures each (times, then bytes), the
+    bytes inside an allocator session the caller holds open (one session for many
+    measurements: each CPU session costs a profiler start and stop); the cost is read, by
+    calling the function returned, once that session has closed."""
     params = _trained(modules)
-    times, _ = _stage_times(stage, params, x, device, repeats, grads_as_given, ops)
+    times = _stage_times(stage, params, x, device, repeats, grads_as_given, ops)[0]  # output unused: freed
     return _stage_cost_in(windows, stage, params, x, device, times, grads_as_given=grads_as_given)
 
 
@@ -272,7 +273,7 @@ def _stage_cost_in(
     *,
     grads_as_given: bool = False,
 ) -> tuple[Callable[[], StageCost], Any]:
-    """The memory half of :func:`measure_stage`: one forward and backward in four windows
+    """The bytes of one stage: one forward and backward in four windows
     of ``windows``; the cost once ``windows`` has closed, and the stage's output."""
     saved: dict[int, int] = {}
 
@@ -391,6 +392,7 @@ def _measure_chain(
         for stage, params in stages:
             t, value = _stage_times(stage, params, value, device, repeats, False, ops)
             times.append(t)
+        del value  # made outside the session: freed inside it, the profiler would warn
     costs = []
     with Windows(device, collect=False) as windows:
         value = x
