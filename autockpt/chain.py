@@ -54,6 +54,13 @@ class Unit:
     pure: bool = True
     reads: tuple[nn.Module, ...] = ()
 
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters the unit uses: all of ``modules``' and ``reads``' own ones."""
+        return [
+            *(p for m in self.modules for p in m.parameters()),
+            *(p for m in self.reads for p in m.parameters(recurse=False)),
+        ]
+
     @classmethod
     def of_module(cls, name: str, module: nn.Module) -> Unit:
         """A unit that calls one module (hooks included)."""

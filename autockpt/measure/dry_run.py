@@ -89,8 +89,7 @@ def _saved_bytes(units: Sequence[Unit], x: Any) -> tuple[int, ...]:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = unit.fn(value)
-        params = {storage_key(p) for m in unit.modules for p in m.parameters()}
-        params |= {storage_key(p) for m in unit.reads for p in m.parameters(recurse=False)}
+        params = {storage_key(p) for p in unit.parameters()}
         out.append(sum(n for k, n in saved.items() if k not in params))
         value = detached(result)
         del result  # its graph holds what the unit saved: free it before the next unit runs

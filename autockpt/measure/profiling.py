@@ -19,14 +19,14 @@ NOTE [One session per profile]
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from autockpt.chain import Chain, Stage
+from autockpt.chain import Chain
 from autockpt.measure.dispatch import selective_dispatch_ms
 from autockpt.measure.losses import LossFn, step_loss
 from autockpt.measure.memory import Windows
@@ -258,7 +258,7 @@ def measured_stage_in(
     bytes inside an allocator session the caller holds open (one session for many
     measurements: each CPU session costs a profiler start and stop); the cost is read, by
     calling the function returned, once that session has closed."""
-    params = _trained(modules)
+    params = _trained(p for m in modules for p in m.parameters())
     times = _stage_times(stage, params, x, device, repeats, grads_as_given, ops)[0]  # output unused: freed
     return _stage_cost_in(windows, stage, params, x, device, times, grads_as_given=grads_as_given)
 
@@ -332,19 +332,9 @@ def _stage_cost_in(
     return cost, next_value
 
 
-def _trained(modules: Sequence[nn.Module], reads: Sequence[nn.Module] = ()) -> list[nn.Parameter]:
-    """The parameters that require gradients, each once: those of ``modules`` (called) and
-    the own ones of ``reads`` (modules whose parameters a traced piece reads directly, as
-    timm's ``Linear`` subclass, which fx traces through to ``F.linear``)."""
-    owned = [p for m in modules for p in m.parameters()]
-    owned += [p for m in reads for p in m.parameters(recurse=False)]
-    params = list({id(p): p for p in owned}.values())
-    return [p for p in params if p.requires_grad]
-
-
-def _stage_params(stage: Stage) -> list[nn.Parameter]:
-    """The parameters a stage trains: of the modules it calls and those it reads."""
-    return _trained([m for u in stage.units for m in u.modules], [m for u in stage.units for m in u.reads])
+def _trained(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """Those of ``params`` that require gradients, each once."""
+    return [p for p in {id(p): p for p in params}.values() if p.requires_grad]
 
 
 def _seeded_loss(outs: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -368,7 +358,7 @@ def profile_chain(
     session (NOTE [One session per profile])."""
     device = device_of(model, x)
     grads = [(p, p.grad) for p in model.parameters()]
-    stages = [(stage, _stage_params(stage)) for stage in chain.stages]
+    stages = [(stage, _trained(p for u in stage.units for p in u.parameters())) for stage in chain.stages]
     try:
         with dry_run_state(model, x):
             costs = _measure_chain(stages, x, device, repeats, ops)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.tensors import cloned, requiring_grad, storage_bytes, tensors_in
+from autockpt.tensors import detached, requiring_grad, storage_bytes, tensors_in
 
 __all__ = [
     "NOMINAL_BYTES_PER_MS",
@@ -103,7 +103,7 @@ def stage_times(
     grads_as_given: bool,
 ) -> tuple[float, float, float, Any]:
     """Median forward, backward and tail ms over ``repeats`` runs, after one warm-up run,
-    and the last run's output (detached, copied: the next stage's input).
+    and the last run's output (detached: the next stage's input).
 
     The tail is the forward's time after it saved its last tensor for backward: what a
     recompute ending with this stage skips (NOTE [The tail a recompute skips])."""
@@ -139,5 +139,5 @@ def stage_times(
         statistics.median(fwd),
         statistics.median(bwd),
         min(statistics.median(tail), statistics.median(fwd)),
-        cloned(out),
+        detached(out),
     )
