@@ -52,8 +52,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(Layer(i) for i in range(layers))
 
-    def forward(self, h: torch.Tensor, use_cache: bool = True) -> tuple[torch.Tensor, KeyValueCache]:
-        cache = KeyValueCache()
+    def forward(self, h: torch.Tensor, use_cache: bool = True) -> tuple[torch.Tensor, KeyValueCache | None]:
+        cache = KeyValueCache() if use_cache else None
         if h.sum() > 1e9:  # data-dependent control flow: fx cannot trace it, the block walker runs
             h = h * 2
         for layer in self.layers:
@@ -73,7 +73,16 @@ def test_checkpointed_blocks_run_without_a_cache_and_train_exactly() -> None:
     out.sum().backward()
     assert torch.equal(out, out_ref)
     assert_same_state(ref, ck)
-    assert all(not keys for keys in cache.keys)
+    assert cache is None  # called with use_cache=False, as Hugging Face's checkpointing calls it
+
+
+def test_a_use_cache_given_positionally_or_outside_training_is_left_alone() -> None:
+    torch.manual_seed(0)
+    ck, x = autockpt.auto_checkpoint(Decoder(), segments=4), torch.randn(2, 5, 8)
+    _, cache = ck(x, True)  # positional: the call is the caller's; blocks still drop the cache
+    assert cache is not None and all(not keys for keys in cache.keys)
+    ck.eval()
+    assert ck(x)[1] is not None
 
 
 def test_without_gradients_blocks_keep_their_cache() -> None:
@@ -124,7 +133,13 @@ def test_hugging_face_decoders_train_exactly_on_a_padded_batch(arch: str) -> Non
     kwargs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     ref = copy.deepcopy(model)
     ck = autockpt.auto_checkpoint(model, example_kwargs=kwargs)
-    for m in (ref, ck):
+    hf = copy.deepcopy(ref)
+    (getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable)()  # v5, v4
+    outs = []
+    for m in (ref, ck, hf):
         torch.manual_seed(1)
-        m(**kwargs).loss.backward()
+        outs.append(m(**kwargs))
+        outs[-1].loss.backward()
     assert_same_state(ref, ck)
+    # no cache built while training (NOTE [No cache built while training]), as with HF's own
+    assert outs[1].past_key_values is None and outs[2].past_key_values is None

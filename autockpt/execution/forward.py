@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.caches import without_caches
+from autockpt.caches import cache_switch, without_caches, without_model_cache
 from autockpt.chain import Chain, DryRun, Unit, build_chain
 from autockpt.errors import AutockptError
 from autockpt.execution.policies import OpPolicy
@@ -75,6 +75,7 @@ class CheckpointedForward:
     _autockpt_forward = True
     debug = False  # check every op of each recompute (also for objects pickled before it existed)
     policy_fn: OpPolicy | None = None
+    _cache_switch: int | bool | None = False  # False: not looked up yet (caches.cache_switch)
 
     def __init__(
         self,
@@ -145,13 +146,24 @@ class CheckpointedForward:
             return self.original_forward(*args, **kwargs)
         return type(self.model).forward(self.model, *args, **kwargs)
 
+    def _training_blocks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A block-walked model's call: its blocks checkpoint themselves; no cache is built
+        while it trains (NOTE [No cache built while training] in ``caches.py``)."""
+        if self.model.training:
+            if self._cache_switch is False:
+                plain = self.original_forward or type(self.model).forward.__get__(self.model)
+                self._cache_switch = cache_switch(plain)
+            kwargs, overridden = without_model_cache(args, kwargs, self._cache_switch)  # type: ignore[arg-type]
+            if overridden and not BlockForward.told_caches:
+                BlockForward.told_caches = True
+                logger.info("autockpt: checkpointed blocks run without a cache (use_cache=False)")
+        return self._plain(*args, **kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if (
-            not torch.is_grad_enabled()
-            or self.plan.checkpointed_segments == 0
-            or self.walked.walker == "blocks"  # the blocks checkpoint themselves
-        ):
+        if not torch.is_grad_enabled() or self.plan.checkpointed_segments == 0:
             return self._plain(*args, **kwargs)
+        if self.walked.walker == "blocks":
+            return self._training_blocks(args, kwargs)
         program = self.walked.program
         if program is None:
             if len(args) != 1 or kwargs:

@@ -63,8 +63,10 @@ NOTE [Segment inputs]
     kwargs)``, often a dozen entries deep, and walking it on every call was part of what
     made a tiny GPT-2's step slower than with HF's own checkpointing, which passes only the
     hidden states. So the segment's input rides in the ``_SegmentCall`` object, which
-    the checkpoint keeps exactly as long as it would keep its arguments, and only its
-    top-level tensors are passed, for the device.
+    the checkpoint keeps exactly as long as it would keep its arguments, and one top-level
+    tensor per device is passed, for the devices: ``checkpoint`` saves every tensor argument
+    for backward and unpacks it there (a Llama layer's position ids and cache positions as
+    well as its hidden states cost 14 us a layer, 0.3% of a tiny Llama's step).
 
 NOTE [Recompute detection]
     A checkpointed function is called once in the forward pass and again for every
@@ -97,10 +99,9 @@ __all__ = ["SegmentRuntime", "build_runtime", "compiled_body", "run_body", "run_
 
 BufferSlot = tuple[nn.Module, str]
 
-# Stock torch.nn modules whose forward draws no random numbers. A checkpointed segment made
-# only of these (exact types, no hooks) skips torch's RNG stash: that saves a 5 KiB CPU RNG
-# state per segment, kept alive until the segment's backward, and the fork on recompute.
-# Anything else (Dropout, RReLU, custom modules) is assumed to use the RNG.
+# Stock torch.nn modules whose forward draws no random numbers: a segment of only these (exact
+# types, no hooks) skips torch's RNG stash (a 5 KiB CPU state kept until the segment's backward,
+# and the fork on recompute). Anything else (Dropout, RReLU, custom modules) may use the RNG.
 _RNG_FREE: frozenset[type] = frozenset(
     t
     for name in (
@@ -161,6 +162,7 @@ class SegmentRuntime:
     rng_free: tuple[nn.Module, ...] | None = None  # see _RNG_FREE
     named_modules: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; the mutation guard's
     hooked: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; whose forward hooks run inside
+    guarded_dicts: tuple[dict[str, Any], ...] = ()  # the _parameters and _buffers of named_modules
     label: str = ""  # "2", or "2.1" for a nested segment
     debug: bool = False  # check every op of a recompute (NOTE [Recompute check] in debug.py)
     selective: SelectiveRecompute | None = None  # an op policy's context_fn (execution/policies.py)
@@ -196,6 +198,7 @@ def build_runtime(
             rng_free=rng_free_modules(own),
             named_modules=named,
             hooked=hooked_modules(own, named) if seg.checkpoint else (),
+            guarded_dicts=tuple(d for _, m in named for d in (m._parameters, m._buffers)),
             label=f"{prefix}{i}",
             debug=debug,
         )
@@ -231,21 +234,20 @@ def run_segments(runtimes: Sequence[SegmentRuntime], x: Any) -> Any:
 
 
 def _device_hints(x: Any) -> tuple[torch.Tensor, ...]:
-    """Tensors of ``x`` from which ``checkpoint`` learns the device whose RNG state and
-    autocast settings it keeps: the top-level ones, or every one when none is at the top.
-
-    The segment's input itself travels inside the ``_SegmentCall``; handing ``checkpoint``
-    the whole structure would make it walk it on every call (NOTE [Segment inputs])."""
+    """One tensor of ``x`` per device it uses, from which ``checkpoint`` learns the devices
+    whose RNG states and autocast settings it keeps: from the top-level tensors, or from
+    every one when none is at the top (NOTE [Segment inputs])."""
     if isinstance(x, torch.Tensor):
         return (x,)
     top = x
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple) and isinstance(x[1], dict):
         top = (*x[0], *x[1].values())  # a block's (args, kwargs)
-    if isinstance(top, (tuple, list)):
-        hints = tuple(t for t in top if isinstance(t, torch.Tensor))
-        if hints:
-            return hints
-    return tuple(t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor))
+    tensors = [t for t in top if isinstance(t, torch.Tensor)] if isinstance(top, (tuple, list)) else []
+    if not tensors:
+        tensors = [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+    if len(tensors) > 1:
+        tensors = list({t.device: t for t in reversed(tensors)}.values())  # the first on each device
+    return tuple(tensors)
 
 
 def compiled_body(rt: SegmentRuntime, spec: Any, *leaves: Any) -> Any:
@@ -299,6 +301,10 @@ class _SegmentCall:
 
     def _forward(self, x: Any) -> Any:
         rt = self.rt
+        if not rt.buffers and not rt.debug:  # most transformer blocks: nothing to replay
+            out, self.old = self._body(x), {}
+            self._remember_state(self.old)
+            return out
         before = [module._buffers.get(name) for module, name in rt.buffers]
         versions = [t._version if t is not None else 0 for t in before]
         clones = _private_copies(before)
@@ -339,13 +345,7 @@ class _SegmentCall:
         """What the recompute must find unchanged: parameter and buffer versions (buffers
         this forward changed are replayed from the copies above, so they are exempt) and
         every module's train/eval mode. See NOTE [Mutation guard]."""
-        guarded = [
-            t
-            for _, module in self.rt.named_modules
-            for tensors in (module._parameters, module._buffers)
-            for t in tensors.values()
-            if t is not None
-        ]
+        guarded = [t for tensors in self.rt.guarded_dicts for t in tensors.values() if t is not None]
         if replayed:
             skip = {id(self.rt.buffers[i][0]._buffers.get(self.rt.buffers[i][1])) for i in replayed}
             guarded = [t for t in guarded if id(t) not in skip]
@@ -397,6 +397,9 @@ class _SegmentCall:
         rt, old = self.rt, self.old
         assert old is not None
         self._check_state()
+        if not rt.buffers and self.recorder is None:
+            with recomputing():
+                return self._body(x)
         live = [module._buffers.get(name) for module, name in rt.buffers]
         seen = [old[i] if i in old else t for i, t in enumerate(live)]  # what the forward saw
         for (module, name), t in zip(rt.buffers, _private_copies(seen)):
