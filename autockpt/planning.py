@@ -84,7 +84,7 @@ def prepare(
     if isinstance(segments, Plan) and mode is None:
         mode = segments.walker  # a plan applies to the stages its walker found
     walked, dry, chain = walk_and_dry_run(
-        model, example_inputs, example_kwargs, mode, where=where, previous=previous
+        model, example_inputs, example_kwargs, mode, where=where, previous=previous, saved=budget is None
     )
     costs = None
     if budget is not None:
@@ -110,15 +110,19 @@ def walk_and_dry_run(
     *,
     where: str,
     previous: tuple[tuple[Unit, ...], DryRun | None] | None = None,
+    saved: bool = True,
 ) -> tuple[Walked, DryRun | None, Chain]:
     """The walk, the dry run (with example inputs, else the one reused from ``previous``)
-    and the chain of stages they give."""
+    and the chain of stages they give; ``saved=False``: a dry run without the saved bytes
+    (NOTE [Dry run bytes] in ``measure/dry_run.py``)."""
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     has_inputs = example_inputs is not None or bool(example_kwargs)
     none_args = none_pattern(model, args, kwargs) if has_inputs else None  # trace for this call
     walked = walk(model, mode, where=where, none_args=none_args)
     dry = (
-        dry_run(model, walked, args, kwargs, where=where) if has_inputs else reused_dry_run(walked, previous)
+        dry_run(model, walked, args, kwargs, where=where, saved=saved)
+        if has_inputs
+        else reused_dry_run(walked, previous)
     )
     return walked, dry, build_chain(walked.walker, walked.units, dry)
 
@@ -161,8 +165,9 @@ def _check_spec(spec: object, where: str) -> None:
 
 def reused_dry_run(walked: Walked, previous: tuple[tuple[Unit, ...], DryRun | None] | None) -> DryRun | None:
     """The installed plan's dry run (``previous``: its units and dry run), if the walk found
-    the very same units again; ``None`` otherwise (the first training forward runs one)."""
-    if previous is None:
+    the very same units again and it measured the saved bytes (a budget plan's did not:
+    NOTE [Dry run bytes]); ``None`` otherwise (the first training forward runs one)."""
+    if previous is None or previous[1] is None or not previous[1].saved_bytes:
         return None
     units, dry = previous
     same = len(units) == len(walked.units) and all(

@@ -357,3 +357,46 @@ def test_check_true_measures_steps_that_hooks_guarded_by_is_recomputing_skip() -
     assert calls == []
     model(x).sum().backward()
     assert calls == [1]
+
+
+class CountingLinear(nn.Linear):
+    """A Linear that counts its forwards."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_a_budget_plan_runs_each_stage_four_times_on_the_cpu() -> None:
+    """The dry run's probe, the profile's bytes pass, its timing pass (warmed by the bytes
+    pass: NOTE [One session per profile]) and the loss's forward. It was six: the dry run
+    measured the saved bytes too, which a budget plan takes from its profile (NOTE [Dry run
+    bytes]), and the timing pass warmed each stage up once more. A plan without a budget
+    still gets the saved bytes."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 32)
+    model = nn.Sequential(*(m for _ in range(6) for m in (CountingLinear(32, 32), nn.Tanh())))
+    counted = [m for m in model if isinstance(m, CountingLinear)]
+    plan = autockpt.make_plan(model, budget=0.8, example_inputs=(x,))
+    assert plan.budget_bytes is not None and plan.stage_figures is not None
+    assert [m.calls for m in counted] == [4] * 6
+    for m in counted:
+        m.calls = 0
+    plan = autockpt.make_plan(model, example_inputs=(x,))
+    assert [m.calls for m in counted] == [2] * 6  # the probe and the saved bytes
+    assert plan.stage_figures is not None and sum(f.saved_bytes for f in plan.stage_figures) > 0
+
+
+def test_a_plan_after_a_budget_plan_gets_the_saved_bytes_from_its_own_dry_run() -> None:
+    """A budget plan's dry run has no saved bytes; a later plan without example inputs must
+    not reuse it (its sqrt rule would count stages instead of bytes for good)."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 32)
+    model = nn.Sequential(*(m for _ in range(6) for m in (nn.Linear(32, 32), nn.Tanh())))
+    autockpt.auto_checkpoint(model, budget=0.8, example_inputs=(x,))
+    autockpt.auto_checkpoint(model)  # re-planned with "sqrt", no inputs
+    model(x).sum().backward()  # the first forward dry-runs it
+    plan = model.forward.plan
+    assert plan.stage_figures is not None and sum(f.saved_bytes for f in plan.stage_figures) > 0

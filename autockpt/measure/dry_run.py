@@ -31,18 +31,35 @@ __all__ = ["dry_run", "probe_units"]
 
 
 def dry_run(
-    model: nn.Module, walked: Walked, args: tuple[Any, ...], kwargs: dict[str, Any], *, where: str
+    model: nn.Module,
+    walked: Walked,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    where: str,
+    saved: bool = True,
 ) -> DryRun | None:
     """The dry run of ``model`` on these inputs, leaving no trace (``None`` for the block
-    walker, which has none: each block is checkpointed alone and keeps its own inputs)."""
+    walker, which has none: each block is checkpointed alone and keeps its own inputs).
+    ``saved=False`` leaves out the bytes each unit saves, a second pass over the units that
+    a budget plan does not need: its profile measures them (NOTE [Dry run bytes])."""
     if walked.walker == "blocks":
         return None
     x = walked.entry_value(args, kwargs, where=where)
     with dry_run_state(model, x):
-        return probe_units(walked.units, x)
+        return probe_units(walked.units, x, saved=saved)
 
 
-def probe_units(units: Sequence[Unit], x: Any) -> DryRun:
+# NOTE [Dry run bytes]
+#     The saved bytes per unit are what plans without measured costs ("sqrt", the "saves
+#     little" warning, the figures of Plan.explain) stand on. A budget plan stands on its
+#     profile, which measures every stage's bytes at the allocator, so its dry run skips that
+#     pass: about 0.8 training steps of a 78-stage timm mobileone_s1, per call. Such a dry run
+#     is not reused by a later plan made without example inputs (``reused_dry_run``): that
+#     plan's first forward dry-runs the model in full.
+
+
+def probe_units(units: Sequence[Unit], x: Any, *, saved: bool = True) -> DryRun:
     """Dry-run ``units`` on ``x``: find inputs modified in place, and measure every input.
 
     Index ``j`` is returned when running any unit ``i >= j`` changes the version counter
@@ -68,7 +85,7 @@ def probe_units(units: Sequence[Unit], x: Any) -> DryRun:
             if t._version != version:
                 unsafe.add(j)
         watched = [(j, t, t._version) for j, t, _ in watched]
-    return DryRun(frozenset(unsafe), tuple(sizes), _saved_bytes(units, x))
+    return DryRun(frozenset(unsafe), tuple(sizes), _saved_bytes(units, x) if saved else ())
 
 
 def _saved_bytes(units: Sequence[Unit], x: Any) -> tuple[int, ...]:

@@ -192,7 +192,9 @@ def profile(
     """
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     walked = walk(model, mode, where="profile", none_args=none_pattern(model, args, kwargs))
-    chain = build_chain(walked.walker, walked.units, dry_run(model, walked, args, kwargs, where="profile"))
+    chain = build_chain(
+        walked.walker, walked.units, dry_run(model, walked, args, kwargs, where="profile", saved=False)
+    )
     return model_profile(
         model, walked, chain, args, kwargs, loss_fn=loss_fn, where="profile", repeats=repeats, cached=False,
         ops=ops,

@@ -10,10 +10,15 @@ NOTE [One session per profile]
     On CPU, opening an allocator session starts the profiler and closing it stops it and
     reads its events: about 0.4 ms each, 30 ms for the 78 stages of a small timm
     mobilenet, most of a training step. A chain is therefore measured in two passes: every
-    stage's times first, outside any session (the profiler's per-op hooks would slow what
-    is timed), then every stage's bytes, in windows of one session. Each pass holds one
-    stage's input at a time, and the timing pass's warm-up leaves each stage warm for the
-    bytes pass, as measuring a stage's times and bytes back to back did.
+    stage's bytes, in windows of one session, and every stage's times, outside any session
+    (the profiler's per-op hooks would slow what is timed). Each pass holds one stage's
+    input at a time. On the CPU the bytes pass comes first and is the timing pass's
+    warm-up (a stage's first run allocates lazily and creates kernels): two runs of each
+    stage where a warm-up of its own made three, about 1.4 training steps less for the 78
+    stages of timm's mobileone_s1 (bytes the same to the byte on the models tried). On CUDA
+    a first run may also autotune (cuDNN's benchmark mode tries algorithms, with workspaces
+    of their own), so the timing pass's warm-up runs first and leaves each stage warm for
+    the bytes pass, as measuring a stage's times and bytes back to back did.
 """
 
 from __future__ import annotations
@@ -230,15 +235,17 @@ def _stage_times(
     repeats: int,
     grads_as_given: bool,
     ops: bool,
+    *,
+    warm_up: bool = True,
 ) -> tuple[StageTimes, Any]:
-    """The stage's times (measured after a warm-up run; nominal on meta) and its output
-    (``None`` on meta)."""
+    """The stage's times (measured after a warm-up run unless the stage is warm; nominal on
+    meta) and its output (``None`` on meta)."""
     out = None
     if device.type == "meta":
         fwd_ms, bwd_ms = nominal_times(stage, x, params, grads_as_given)
         tail_ms = 0.0  # unknown: a recompute counts the whole stage
     else:  # also warms up
-        fwd_ms, bwd_ms, tail_ms, out = stage_times(stage, x, params, repeats, device, grads_as_given)
+        fwd_ms, bwd_ms, tail_ms, out = stage_times(stage, x, params, repeats, device, grads_as_given, warm_up)
     op_costs = measure_ops(stage, x, device, grads_as_given=grads_as_given) if ops else ()
     return (fwd_ms, bwd_ms, tail_ms, op_costs), out
 
@@ -260,7 +267,8 @@ def measured_stage_in(
     calling the function returned, once that session has closed."""
     params = _trained(p for m in modules for p in m.parameters())
     times = _stage_times(stage, params, x, device, repeats, grads_as_given, ops)[0]  # output unused: freed
-    return _stage_cost_in(windows, stage, params, x, device, times, grads_as_given=grads_as_given)
+    cost, out = _stage_cost_in(windows, stage, params, x, device, grads_as_given=grads_as_given)
+    return (lambda: cost(times)), out
 
 
 def _stage_cost_in(
@@ -269,12 +277,12 @@ def _stage_cost_in(
     params: list[nn.Parameter],
     x: Any,
     device: torch.device,
-    times: StageTimes,
     *,
     grads_as_given: bool = False,
-) -> tuple[Callable[[], StageCost], Any]:
+) -> tuple[Callable[[StageTimes], StageCost], Any]:
     """The bytes of one stage: one forward and backward in four windows
-    of ``windows``; the cost once ``windows`` has closed, and the stage's output."""
+    of ``windows``; the cost, given the stage's times, once ``windows`` has closed, and the
+    stage's output."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -309,9 +317,9 @@ def _stage_cost_in(
     grad_bytes = storage_bytes(p.grad for p in params if p.grad is not None)
     for p in params:
         p.grad = None
-    fwd_ms, bwd_ms, tail_ms, op_costs = times
 
-    def cost() -> StageCost:
+    def cost(times: StageTimes) -> StageCost:
+        fwd_ms, bwd_ms, tail_ms, op_costs = times
         (fwd_peak, fwd_net), (bwd_peak, _) = windows.result[first + 1], windows.result[first + 3]
         return StageCost(
             fwd_ms=fwd_ms,
@@ -377,21 +385,37 @@ def _measure_chain(
 ) -> tuple[StageCost, ...]:
     """Each stage's cost, the stages chained from ``x`` (see :func:`profile_chain`)."""
     times: list[StageTimes] = []
-    if device.type != "meta":  # the timing pass, outside the allocator session
-        value = x
-        for stage, params in stages:
-            t, value = _stage_times(stage, params, value, device, repeats, False, ops)
-            times.append(t)
-        del value  # made outside the session: freed inside it, the profiler would warn
+    if device.type not in ("cpu", "meta"):  # NOTE [One session per profile]: times first here
+        _timing_pass(stages, x, device, repeats, ops, times, warm_up=True)
     costs = []
     with Windows(device, collect=False) as windows:
         value = x
-        for i, (stage, params) in enumerate(stages):
+        for stage, params in stages:
             if device.type == "meta":  # nominal times, from the same input; nothing is allocated
                 times.append(_stage_times(stage, params, value, device, repeats, False, ops)[0])
-            cost, value = _stage_cost_in(windows, stage, params, value, device, times[i])
+            cost, value = _stage_cost_in(windows, stage, params, value, device)
             costs.append(cost)
-    return tuple(cost() for cost in costs)
+        del value  # made inside the session: freed there
+    if device.type == "cpu":  # each stage ran forward and backward in the bytes pass: warm
+        _timing_pass(stages, x, device, repeats, ops, times, warm_up=False)
+    return tuple(cost(t) for cost, t in zip(costs, times))
+
+
+def _timing_pass(
+    stages: Sequence[tuple[StageRun, list[nn.Parameter]]],
+    x: Any,
+    device: torch.device,
+    repeats: int,
+    ops: bool,
+    times: list[StageTimes],
+    *,
+    warm_up: bool,
+) -> None:
+    """Every stage's times, appended to ``times``, outside any allocator session."""
+    value = x
+    for stage, params in stages:
+        t, value = _stage_times(stage, params, value, device, repeats, False, ops, warm_up=warm_up)
+        times.append(t)
 
 
 def measure_loss(

@@ -101,15 +101,18 @@ def stage_times(
     repeats: int,
     device: torch.device,
     grads_as_given: bool,
+    warm_up: bool = True,
 ) -> tuple[float, float, float, Any]:
-    """Median forward, backward and tail ms over ``repeats`` runs, after one warm-up run,
-    and the last run's output (detached: the next stage's input).
+    """Median forward, backward and tail ms over ``repeats`` runs, after one warm-up run
+    (``warm_up``; leave it out for a stage that has just run forward and backward), and the
+    last run's output (detached: the next stage's input).
 
     The tail is the forward's time after it saved its last tensor for backward: what a
     recompute ending with this stage skips (NOTE [The tail a recompute skips])."""
     fwd, bwd, tail = [], [], []
     out: Any = None
-    for i in range(max(1, repeats) + 1):
+    skip = 1 if warm_up else 0
+    for i in range(max(1, repeats) + skip):
         inputs, _ = requiring_grad(x, as_given=grads_as_given)
         clock = Clock(device)
         last_save = Clock(device)
@@ -128,7 +131,7 @@ def stage_times(
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         clock.mark()
         f, b = clock.spans()
-        if i > 0:  # the first run allocates lazily and creates kernels
+        if i >= skip:  # a stage's first run allocates lazily and creates kernels
             fwd.append(f)
             bwd.append(b)
             # nothing saved: the recompute stops before this stage (counted as all of it)
