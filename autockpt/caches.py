@@ -89,6 +89,8 @@ def cache_switch(forward: Callable[..., Any]) -> int | None:
         params = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):  # a builtin or a C callable: no signature to read
         return None
+    if params and params[0].name == "self" and not inspect.ismethod(forward):
+        params = params[1:]  # a function wrapping a class's forward: the signature followed it there
     for i, p in enumerate(params):
         if p.name == "use_cache" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
             return i if p.kind is p.POSITIONAL_OR_KEYWORD else len(params)

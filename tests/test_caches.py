@@ -143,3 +143,23 @@ def test_hugging_face_decoders_train_exactly_on_a_padded_batch(arch: str) -> Non
     assert_same_state(ref, ck)
     # no cache built while training (NOTE [No cache built while training]), as with HF's own
     assert outs[1].past_key_values is None and outs[2].past_key_values is None
+
+
+def test_use_cache_is_found_through_a_wrapper_of_the_class_forward() -> None:
+    """``inspect.signature`` follows ``functools.wraps`` to the class's forward, whose ``self``
+    put ``use_cache`` one place too far: ``ck(x, True)`` got it twice (found in review)."""
+    import functools
+
+    torch.manual_seed(0)
+    model, x = Decoder(), torch.randn(2, 5, 8)
+    forward = type(model).forward
+
+    @functools.wraps(forward)
+    def wrapped(*args: object, **kwargs: object) -> object:
+        return forward(model, *args, **kwargs)  # type: ignore[arg-type]
+
+    model.forward = wrapped  # type: ignore[method-assign]
+    ck = autockpt.auto_checkpoint(model, segments=4)
+    _, cache = ck(x, True)  # positional: left as given
+    assert cache is not None
+    assert ck(x)[1] is None  # by keyword default: switched off while training

@@ -305,3 +305,37 @@ def test_a_block_reading_its_own_parameter_does_not_guard_its_submodules_buffers
         for _ in range(2):
             m(x).sum().backward()
     assert_same_state(ref, ck)
+
+
+class BiasedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(h) + bias)  # tanh keeps its output: the recompute reads bias
+
+
+class BiasBetweenBlocks(nn.Module):
+    """The caller adds to a tensor in place between the blocks it hands it to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(BiasedBlock() for _ in range(4))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        bias = torch.zeros(8)
+        for block in self.blocks:
+            h = block(h, bias)
+            bias.add_(1.0)
+        return h
+
+
+def test_a_block_input_changed_in_place_before_its_recompute_raises() -> None:
+    """``checkpoint`` is handed one input tensor per device (NOTE [Segment inputs]); the others
+    were no longer checked, and their in-place change gave silently wrong gradients (found
+    in review)."""
+    torch.manual_seed(0)
+    model = autockpt.auto_checkpoint(BiasBetweenBlocks(), mode="blocks", segments=4)
+    with pytest.raises(autockpt.MutationError, match=r"an input tensor of checkpointed segment 3"):
+        model(torch.randn(3, 8)).sum().backward()

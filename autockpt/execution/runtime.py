@@ -66,7 +66,10 @@ NOTE [Segment inputs]
     the checkpoint keeps exactly as long as it would keep its arguments, and one top-level
     tensor per device is passed, for the devices: ``checkpoint`` saves every tensor argument
     for backward and unpacks it there (a Llama layer's position ids and cache positions as
-    well as its hidden states cost 14 us a layer, 0.3% of a tiny Llama's step).
+    well as its hidden states cost 14 us a layer, 0.3% of a tiny Llama's step). Its unpack
+    also refused an argument modified in place before the recompute; the call keeps the
+    versions of the top-level tensors it does not pass and the guard raises instead (found
+    in review: a caller adding to a bias tensor between blocks got wrong gradients).
 
 NOTE [Recompute detection]
     A checkpointed function is called once in the forward pass and again for every
@@ -88,6 +91,7 @@ from torch.utils.checkpoint import noop_context_fn
 
 from autockpt.chain import Stage, Unit
 from autockpt.errors import MutationError
+from autockpt.execution.checkpoint_args import device_hints, may_use_rng, rng_free_modules
 from autockpt.execution.debug import OpRecorder, output_metadata, run_stage, stage_mismatch
 from autockpt.execution.hooks import HookState, hook_error, hook_state, hooked_modules
 from autockpt.execution.policies import OpPolicy, SelectiveRecompute
@@ -98,42 +102,6 @@ from autockpt.walkers.graph import GraphPiece
 __all__ = ["SegmentRuntime", "build_runtime", "compiled_body", "run_body", "run_segments"]
 
 BufferSlot = tuple[nn.Module, str]
-
-# Stock torch.nn modules whose forward draws no random numbers: a segment of only these (exact
-# types, no hooks) skips torch's RNG stash (a 5 KiB CPU state kept until the segment's backward,
-# and the fork on recompute). Anything else (Dropout, RReLU, custom modules) may use the RNG.
-_RNG_FREE: frozenset[type] = frozenset(
-    t
-    for name in (
-        "Linear Bilinear Identity Conv1d Conv2d Conv3d ConvTranspose1d ConvTranspose2d ConvTranspose3d "
-        "BatchNorm1d BatchNorm2d BatchNorm3d LayerNorm GroupNorm InstanceNorm1d InstanceNorm2d "
-        "InstanceNorm3d LocalResponseNorm RMSNorm ReLU ReLU6 LeakyReLU PReLU ELU SELU CELU GELU SiLU "
-        "Mish Sigmoid Tanh Hardtanh Hardswish Hardsigmoid Softplus Softmax LogSoftmax Softsign "
-        "Tanhshrink Threshold MaxPool1d MaxPool2d MaxPool3d AvgPool1d AvgPool2d AvgPool3d "
-        "AdaptiveAvgPool1d AdaptiveAvgPool2d AdaptiveAvgPool3d AdaptiveMaxPool1d AdaptiveMaxPool2d "
-        "AdaptiveMaxPool3d Flatten Unflatten Embedding ZeroPad2d ConstantPad1d ConstantPad2d "
-        "ConstantPad3d PixelShuffle PixelUnshuffle Sequential"
-    ).split()
-    if isinstance(t := getattr(nn, name, None), type)
-)
-
-
-def rng_free_modules(stages: Sequence[Stage]) -> tuple[nn.Module, ...] | None:
-    """The modules of ``stages`` if all are stock RNG-free types, else ``None``."""
-    units = [unit for stage in stages for unit in stage.units]
-    mods = [m for unit in units for top in unit.modules for m in top.modules()]
-    if all(u.pure for u in units) and all(type(m) in _RNG_FREE and "forward" not in m.__dict__ for m in mods):
-        return tuple(mods)
-    return None
-
-
-def _may_use_rng(rt: SegmentRuntime) -> bool:
-    """Checked at every call, since hooks may be added after planning."""
-    if rt.rng_free is None:
-        return True
-    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in rt.rng_free)
 
 
 def segment_buffers(stages: Sequence[Stage]) -> tuple[BufferSlot, ...]:
@@ -159,7 +127,7 @@ class SegmentRuntime:
     stages: tuple[Stage, ...]
     buffers: tuple[BufferSlot, ...]
     children: tuple[SegmentRuntime, ...] = ()
-    rng_free: tuple[nn.Module, ...] | None = None  # see _RNG_FREE
+    rng_free: tuple[nn.Module, ...] | None = None  # execution/checkpoint_args.py
     named_modules: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; the mutation guard's
     hooked: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; whose forward hooks run inside
     guarded_dicts: tuple[dict[str, Any], ...] = ()  # the _parameters and _buffers of named_modules
@@ -221,33 +189,17 @@ def run_segments(runtimes: Sequence[SegmentRuntime], x: Any) -> Any:
                     functools.partial(compiled_body, rt, spec), *leaves, use_reentrant=False
                 )
                 continue
+            hints, others = device_hints(x)
             x = torch.utils.checkpoint.checkpoint(
-                _SegmentCall(rt, x),
-                *_device_hints(x),
+                _SegmentCall(rt, x, others),
+                *hints,
                 use_reentrant=False,
-                preserve_rng_state=_may_use_rng(rt),
+                preserve_rng_state=may_use_rng(rt.rng_free),
                 context_fn=noop_context_fn if rt.selective is None else rt.selective,
             )
         else:
             x = run_body(rt, x)
     return x
-
-
-def _device_hints(x: Any) -> tuple[torch.Tensor, ...]:
-    """One tensor of ``x`` per device it uses, from which ``checkpoint`` learns the devices
-    whose RNG states and autocast settings it keeps: from the top-level tensors, or from
-    every one when none is at the top (NOTE [Segment inputs])."""
-    if isinstance(x, torch.Tensor):
-        return (x,)
-    top = x
-    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple) and isinstance(x[1], dict):
-        top = (*x[0], *x[1].values())  # a block's (args, kwargs)
-    tensors = [t for t in top if isinstance(t, torch.Tensor)] if isinstance(top, (tuple, list)) else []
-    if not tensors:
-        tensors = [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
-    if len(tensors) > 1:
-        tensors = list({t.device: t for t in reversed(tensors)}.values())  # the first on each device
-    return tuple(tensors)
 
 
 def compiled_body(rt: SegmentRuntime, spec: Any, *leaves: Any) -> Any:
@@ -282,9 +234,10 @@ def _changed(t: torch.Tensor, before: torch.Tensor, version: int) -> bool:
 class _SegmentCall:
     """The function one checkpoint call runs: forward first, recomputes after."""
 
-    def __init__(self, rt: SegmentRuntime, x: Any) -> None:
+    def __init__(self, rt: SegmentRuntime, x: Any, others: Sequence[torch.Tensor] = ()) -> None:
         self.rt = rt
         self.x = x  # the segment's input (NOTE [Segment inputs])
+        self.inputs = [(t, t._version) for t in others]  # input tensors checkpoint does not keep
         self.old: dict[int, torch.Tensor | None] | None = None
         self.guarded: list[torch.Tensor] = []  # parameters and buffers whose versions are kept
         self.versions: list[int] = []  # per self.guarded
@@ -356,11 +309,20 @@ class _SegmentCall:
 
     def _check_state(self) -> None:
         if (
-            [t._version for t in self.guarded] == self.versions
+            all(t._version == version for t, version in self.inputs)
+            and [t._version for t in self.guarded] == self.versions
             and [module.training for _, module in self.rt.named_modules] == self.modes
             and hook_state(self.rt.hooked) == self.hooks
         ):
             return
+        for t, version in self.inputs:
+            if t._version != version:
+                raise MutationError(
+                    f"autockpt: an input tensor of {self.rt.description} (shape {tuple(t.shape)}) was "
+                    f"modified in place between the forward and the backward; its recompute would see "
+                    f"the new values and give wrong gradients. Pass a copy (t.clone()) or modify it "
+                    f"after backward()."
+                )
         for t, version in zip(self.guarded, self.versions):
             if t._version != version:
                 name = self._name_of(t)
