@@ -62,20 +62,14 @@ def without_caches(
 
     Runs once per checkpointed block call, so the usual call (nothing to change) copies
     nothing."""
-    changed: list[str] = []
-    new_kwargs = kwargs
+    changes: dict[str, Any] = {}
     for name, value in kwargs.items():
         if name == "use_cache" and value is True:
-            changed.append("use_cache=False")
+            changes[name] = False
         elif _cache_like(name, value):
-            changed.append(f"{name}=None")
-    if changed:
-        new_kwargs = dict(kwargs)
-        for name, value in kwargs.items():
-            if name == "use_cache" and value is True:
-                new_kwargs[name] = False
-            elif _cache_like(name, value):
-                new_kwargs[name] = None
+            changes[name] = None
+    changed = [f"{name}={value}" for name, value in changes.items()]
+    new_kwargs = {**kwargs, **changes} if changes else kwargs
     caches = [i for i, a in enumerate(args) if type(a) not in _NEVER_CACHES and a is not None and is_cache(a)]
     new_args = tuple(None if i in caches else a for i, a in enumerate(args)) if caches else args
     changed.extend(f"argument {i}=None" for i in caches)
