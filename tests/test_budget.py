@@ -379,6 +379,114 @@ def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> N
     )
 
 
+@pytest.mark.parametrize("seed", [2, 3, 4])
+def test_the_grid_is_exact_when_every_byte_figure_falls_on_it(seed: int) -> None:
+    """With every byte figure a multiple of the grid step, no two paths holding different
+    bytes share a cell, so the grid DP must find the exact DP's optimum and stay within
+    the budget: a wrong merge of two sources, or a source taken that does not fit, shows."""
+    import random
+
+    from autockpt.planners.budget import _solve_exact
+    from autockpt.planners.budget_grid import RESOLUTION, solve_on_grid
+
+    rng = random.Random(seed)
+    unit = 2**12
+    costs = tuple(
+        StageCost(rng.uniform(1, 3), 2.0, unit * rng.randint(1, 3), unit * rng.randint(1, 3),
+                  unit * rng.choice([0, 1, 4]), rng.random() < 0.5, rng.random() < 0.3,
+                  unit * rng.randint(1, 4), unit * rng.randint(1, 6), 0)
+        for _ in range(72)
+    )  # fmt: skip
+    spans = [rng.randint(1, 40) for _ in costs]
+    model = CostModel(costs, spans=spans)
+    budget = RESOLUTION * unit  # the grid step is then exactly ``unit``
+    assert (
+        min_feasible_budget(costs, spans=spans) < budget < predict((Segment(0, 72, False),), costs).peak_bytes
+    )
+    grid, exact = solve_on_grid(model, budget), _solve_exact(model, budget)
+    assert grid is not None and exact is not None
+    assert predict(grid, costs).peak_bytes <= budget
+    assert predict(grid, costs).recompute_ms == pytest.approx(predict(exact, costs).recompute_ms, rel=1e-12)
+
+
+def _grid_reference(model: CostModel, budget: int) -> tuple[Segment, ...] | None:
+    """The grid DP's definition, one path at a time: per cell of held bytes, the path of
+    least (recompute, held bytes); what ``solve_on_grid`` computes in vectorised steps."""
+    from autockpt.planners.budget_grid import RESOLUTION, longest_segment, merge_plain
+
+    n, quantum = len(model.c), max(1, math.ceil(budget / RESOLUTION))
+    best: dict[tuple[int, int], dict[int, tuple[float, int, tuple[int, int, int, bool] | None]]] = {
+        (f, p): {} for f in (0, 1) for p in range(n + 1)
+    }
+    best[(1, 0)][0] = (0.0, 0, None)
+
+    def offer(f: int, t: int, cost: float, held: int, back: tuple[int, int, int, bool]) -> None:
+        cell = held // quantum
+        old = best[(f, t)].get(cell)
+        if old is None or (cost, held) < (old[0], old[1]):
+            best[(f, t)][cell] = (cost, held, back)
+
+    for s in range(n):
+        for flag in (0, 1):
+            sources = sorted(best[(flag, s)].items())
+            if not sources:
+                continue
+            lowest = sources[0][1][1]
+            local, add = model.plain_local(s, bool(flag)), model.held(s, bool(flag))
+            if lowest + local <= budget:
+                for cell, (cost, held, _) in sources:
+                    if held <= budget - max(local, add):
+                        offer(int(model.c[s].keeps_output), s + 1, cost, held + add, (s, flag, cell, False))
+            add = model.checkpoint_held(s, bool(flag))
+            for t, (local, ms) in enumerate(model.checkpoint_locals(s, bool(flag)), start=s + 1):
+                if lowest + local > budget or t > longest_segment(model, s):
+                    break
+                for cell, (cost, held, _) in sources:
+                    if held <= budget - max(local, add):
+                        offer(0, t, cost + ms, held + add, (s, flag, cell, True))
+    ends = [
+        (cost, held, cell, f)
+        for f in (0, 1)
+        for cell, (cost, held, _) in best[(f, n)].items()
+        if held + model.loss(bool(f)) <= budget
+    ]
+    if not ends:
+        return None
+    _, _, cell, f = min(ends)
+    segments, pos = [], n
+    while pos > 0:
+        back = best[(f, pos)][cell][2]
+        assert back is not None
+        s, f, cell, checkpointed = back
+        segments.append(Segment(s, pos, checkpointed))
+        pos = s
+    return merge_plain(segments[::-1])
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7, 8])
+def test_the_grid_dp_keeps_per_cell_the_path_of_least_recompute(seed: int) -> None:
+    """``solve_on_grid`` against its definition, on chains whose bytes fall anywhere on the
+    grid, so that two paths often share a cell (which one it keeps decides the plan)."""
+    import random
+
+    from autockpt.planners.budget_grid import solve_on_grid
+
+    rng = random.Random(seed)
+    costs = tuple(
+        StageCost(rng.uniform(1, 3), 2.0, rng.randint(1, 3 * 2**20), rng.randint(1, 3 * 2**20),
+                  rng.choice([0, rng.randint(1, 4 * 2**20)]), rng.random() < 0.5, rng.random() < 0.3,
+                  rng.randint(0, 4 * 2**20), rng.randint(0, 6 * 2**20), 0, tail_ms=rng.uniform(0, 1))
+        for _ in range(rng.randint(65, 90))
+    )  # fmt: skip
+    spans = [rng.randint(1, 40) for _ in costs] if seed % 2 else None
+    model = CostModel(costs, spans=spans)
+    floor = min_feasible_budget(costs, spans=spans)
+    unwrapped = predict((Segment(0, len(costs), False),), costs).peak_bytes
+    for fraction in (0.0, 0.02, 0.1, 0.3, 0.6, 0.9):
+        budget = floor + int(fraction * (unwrapped - floor))
+        assert solve_on_grid(model, budget) == _grid_reference(model, budget), fraction
+
+
 def test_check_measures_the_plan_and_records_the_figure() -> None:
     x = torch.randn(BATCH, WIDTH)
     model = autockpt.auto_checkpoint(

@@ -10,14 +10,14 @@ be given by hand).
 Algorithm: dynamic programming over positions keeping, per position, the Pareto front of
 (held bytes, recompute time), merged once every way to reach the position is offered
 (:mod:`autockpt.planners.budget_fronts`; 30-80 ms on a 56-62 stage convnet). Exact for up
-to 64 stages. Beyond that (when numpy is
-importable) the front is thinned to a grid of 1/128 of the budget: per grid cell, the
-least-recompute path whose held bytes fall in it, its bytes kept exact so every budget
-check is exact; checkpointed segments are at most 4 sqrt(n) stages long, and each
-transition is one vectorised update. The optimum may then be missed where a path with
-fewer bytes but more recompute was merged away in a cell.
+to 64 stages. Beyond that (when numpy is importable) the front is thinned to a grid of
+1/128 of the budget: per grid cell, the least-recompute path whose held bytes fall in it,
+its bytes kept exact so every budget check is exact; checkpointed segments are at most
+4 sqrt(n) stages long, and all those starting at one position are offered in one
+vectorised update. The optimum may then be missed where a path with fewer bytes but more
+recompute was merged away in a cell.
 Complexity O(n * L * G) for n stages, segments of at most L stages and G grid points;
-1000 stages plan in about 4 s on 2 cores (``benchmarks/planner_scaling.py``).
+1000 stages plan in about 0.7 s on 2 cores (``benchmarks/planner_scaling.py``).
 
 Choosing ops too (``policy="auto"``, :attr:`PlanRequest.choose_ops`, profiles with ops, up
 to 64 stages): each checkpointed segment ``[s, t)`` may keep any subset of the keepable ops

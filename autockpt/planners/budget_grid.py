@@ -53,33 +53,40 @@ def solve_on_grid(model: CostModel, budget: int) -> tuple[Segment, ...] | None:
     prev_ck = np.zeros((2, n + 1, nb), dtype=np.int8)
     cost[1, 0, 0] = 0.0  # the chain's input is held already: it is a static byte
 
-    def relax(src: tuple[Any, Any, Any], fits: int, add: int, dst_flag: int,
-              t: int, extra: float, s: int, src_flag: int, ck: int) -> None:  # fmt: skip
-        """Extend the source paths holding at most ``fits`` bytes by an item holding ``add``."""
+    def relax(src: tuple[Any, Any, Any], fits: Any, add: int, dst_flag: int,
+              ts: Any, extra: Any, s: int, src_flag: int, ck: int) -> None:  # fmt: skip
+        """Extend the source paths by an item holding ``add``, once per row: row ``r`` ends
+        at position ``ts[r]``, takes the sources holding at most ``fits[r]`` bytes and adds
+        ``extra[r]`` ms. Rows end at different positions, so they never share a cell."""
         cells, src_held, src_cost = src
-        k = int(np.searchsorted(src_held, fits, side="right"))  # held grows with the cell
-        if k == 0:
+        k = np.searchsorted(src_held, fits, side="right")  # held grows with the cell
+        width = int(k.max(initial=0))
+        if width == 0:
             return
-        cells, new_held, new_cost = cells[:k], src_held[:k] + add, src_cost[:k] + extra
-        target = new_held // quantum
+        cells, new_held = cells[:width], src_held[:width] + add
+        new_cost = src_cost[None, :width] + extra[:, None]
+        target = new_held // quantum  # the same cells in every row: ``add`` is
+        valid = np.arange(width)[None, :] < k[:, None]  # a prefix of the sources per row
         # Cells are a grid step wide, so at most two neighbouring sources share a target
         # cell: keep the cheaper (on a tie, the first, which holds fewer bytes).
-        keep = np.ones(k, dtype=bool)
-        same = target[1:] == target[:-1]
-        keep[1:] &= ~(same & (new_cost[:-1] <= new_cost[1:]))
-        keep[:-1] &= ~(same & (new_cost[:-1] > new_cost[1:]))
-        cells, new_held, new_cost, target = cells[keep], new_held[keep], new_cost[keep], target[keep]
-        dst_cost, dst_held = cost[dst_flag, t, target], held[dst_flag, t, target]
-        better = (new_cost < dst_cost) | ((new_cost == dst_cost) & (new_held < dst_held))
-        if not better.any():
+        pair = (target[1:] == target[:-1])[None, :] & valid[:, 1:]
+        first_wins = new_cost[:, :-1] <= new_cost[:, 1:]
+        keep = valid.copy()
+        keep[:, 1:] &= ~(pair & first_wins)
+        keep[:, :-1] &= ~(pair & ~first_wins)
+        rows = ts[:, None]
+        dst_cost, dst_held = cost[dst_flag][rows, target], held[dst_flag][rows, target]
+        better = keep & ((new_cost < dst_cost) | ((new_cost == dst_cost) & (new_held[None, :] < dst_held)))
+        r, j = np.nonzero(better)
+        if r.size == 0:
             return
-        target = target[better]
-        cost[dst_flag, t, target] = new_cost[better]
-        held[dst_flag, t, target] = new_held[better]
-        prev_pos[dst_flag, t, target] = s
-        prev_flag[dst_flag, t, target] = src_flag
-        prev_bucket[dst_flag, t, target] = cells[better]
-        prev_ck[dst_flag, t, target] = ck
+        t, cell = ts[r], target[j]
+        cost[dst_flag, t, cell] = new_cost[r, j]
+        held[dst_flag, t, cell] = new_held[j]
+        prev_pos[dst_flag, t, cell] = s
+        prev_flag[dst_flag, t, cell] = src_flag
+        prev_bucket[dst_flag, t, cell] = cells[j]
+        prev_ck[dst_flag, t, cell] = ck
 
     for s in range(n):
         for flag in (0, 1):
@@ -91,13 +98,20 @@ def solve_on_grid(model: CostModel, budget: int) -> tuple[Segment, ...] | None:
             local = model.plain_local(s, bool(flag))
             if lowest + local <= budget:
                 add = model.held(s, bool(flag))
-                relax(src, budget - max(local, add), add, int(costs[s].keeps_output), s + 1, 0.0, s, flag, 0)
+                one = np.array([budget - max(local, add)])
+                relax(src, one, add, int(costs[s].keeps_output), np.array([s + 1]), np.zeros(1), s, flag, 0)
             add = model.checkpoint_held(s, bool(flag))
             longest = longest_segment(model, s)
+            fits: list[int] = []
+            extra: list[float] = []
             for t, (local, ms) in enumerate(model.checkpoint_locals(s, bool(flag)), start=s + 1):
                 if lowest + local > budget or t > longest:
                     break
-                relax(src, budget - max(local, add), add, 0, t, ms, s, flag, 1)
+                fits.append(budget - max(local, add))
+                extra.append(ms)
+            if fits:  # every checkpointed segment [s, t) at once
+                ts = np.arange(s + 1, s + 1 + len(fits))
+                relax(src, np.array(fits), add, 0, ts, np.array(extra), s, flag, 1)
     ends = [
         (cost[f, n, b], held[f, n, b], b, f)
         for f in (0, 1)
