@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -93,7 +93,7 @@ from autockpt.chain import Stage, Unit
 from autockpt.errors import MutationError
 from autockpt.execution.checkpoint_args import device_hints, may_use_rng, rng_free_modules
 from autockpt.execution.debug import OpRecorder, output_metadata, run_stage, stage_mismatch
-from autockpt.execution.hooks import HookState, hook_error, hook_state, hooked_modules
+from autockpt.execution.hooks import HookMemo, HookState, hook_error, hook_state, hooked_modules
 from autockpt.execution.policies import OpPolicy, SelectiveRecompute
 from autockpt.plan import Segment
 from autockpt.sandbox import recomputing
@@ -131,6 +131,7 @@ class SegmentRuntime:
     named_modules: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; the mutation guard's
     hooked: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; whose forward hooks run inside
     guarded_dicts: tuple[dict[str, Any], ...] = ()  # the _parameters and _buffers of named_modules
+    hook_memo: HookMemo = field(default_factory=HookMemo)  # execution/hooks.py
     label: str = ""  # "2", or "2.1" for a nested segment
     debug: bool = False  # check every op of a recompute (NOTE [Recompute check] in debug.py)
     selective: SelectiveRecompute | None = None  # an op policy's context_fn (execution/policies.py)
@@ -305,14 +306,14 @@ class _SegmentCall:
         self.guarded = guarded
         self.versions = [t._version for t in guarded]
         self.modes = [module.training for _, module in self.rt.named_modules]
-        self.hooks = hook_state(self.rt.hooked)
+        self.hooks = hook_state(self.rt.hooked, self.rt.hook_memo)
 
     def _check_state(self) -> None:
         if (
             all(t._version == version for t, version in self.inputs)
             and [t._version for t in self.guarded] == self.versions
             and [module.training for _, module in self.rt.named_modules] == self.modes
-            and hook_state(self.rt.hooked) == self.hooks
+            and hook_state(self.rt.hooked, self.rt.hook_memo) == self.hooks
         ):
             return
         for t, version in self.inputs:
