@@ -70,15 +70,17 @@ def _solve(
     spans: Sequence[int] | None = None,
     choose_ops: bool = False,
     keep_only: Sequence[Sequence[bool]] | None = None,
+    floor: int | None = None,
 ) -> tuple[Segment, ...] | None:
     """Least-recompute single-level plan with predicted peak <= budget, or None; with
     ``choose_ops`` (and at most 64 stages), each checkpointed segment's kept ops too; with
-    ``keep_only``, every checkpointed segment keeps those ops."""
+    ``keep_only``, every checkpointed segment keeps those ops. ``floor``: the chain's
+    :func:`_min_peak_exact`, when the caller has it."""
     model = CostModel(costs, loss_bytes, spans)
     whole = (Segment(0, len(costs), False),)
     if predict(whole, costs, loss_bytes=loss_bytes).peak_bytes <= budget:
         return whole  # nothing recomputed: no plan does better (NOTE [Planner shortcuts])
-    if _min_peak_exact(model) > budget:
+    if (_min_peak_exact(model) if floor is None else floor) > budget:
         return None  # below the floor of any plan, on the grid too (NOTE [Planner shortcuts])
     if len(costs) > EXACT_UP_TO and importlib.util.find_spec("numpy") is not None:
         return solve_on_grid(model, budget)
@@ -259,6 +261,7 @@ def min_feasible_budget(
     loss_bytes: int | None = None,
     spans: Sequence[int] | None = None,
     keep_only: Sequence[Sequence[bool]] | None = None,
+    floor: int | None = None,
 ) -> int:
     """The smallest budget any single-level plan fits (the planner's floor); with
     ``keep_only`` (a named policy), any plan whose checkpointed segments keep those ops.
@@ -266,18 +269,19 @@ def min_feasible_budget(
     Up to 64 stages it is exact and found directly (:func:`_min_peak_exact`). Beyond that,
     or under a policy, it is the planner's: that exact floor when the planner reaches it
     (kept ops only add bytes, and the grid only drops paths, so it is a lower bound for
-    both), else by bisection above it, to within 0.1% and rounded up.
+    both), else by bisection above it, to within 0.1% and rounded up. ``floor``: that exact
+    floor, when the caller has it.
     """
-    model = CostModel(costs, loss_bytes, spans)
-    floor = _min_peak_exact(model)
+    if floor is None:
+        floor = _min_peak_exact(CostModel(costs, loss_bytes, spans))
     if keep_only is None and (len(costs) <= EXACT_UP_TO or importlib.util.find_spec("numpy") is None):
         return floor
-    if _solve(costs, floor, loss_bytes, spans, keep_only=keep_only) is not None:
+    if _solve(costs, floor, loss_bytes, spans, keep_only=keep_only, floor=floor) is not None:
         return floor
     lo, hi = floor, predict((Segment(0, len(costs), False),), costs, loss_bytes=loss_bytes).peak_bytes
     while hi - lo > max(1, hi // 1000):
         mid = (lo + hi) // 2
-        if _solve(costs, mid, loss_bytes, spans, keep_only=keep_only) is None:
+        if _solve(costs, mid, loss_bytes, spans, keep_only=keep_only, floor=floor) is None:
             lo = mid
         else:
             hi = mid
@@ -328,15 +332,20 @@ def budget_planner(request: PlanRequest) -> tuple[Segment, ...]:
         )
     budget = request.budget_bytes - request.static_bytes
     spans = request.checkpoint_spans
+    exact_floor = _min_peak_exact(CostModel(request.costs, request.loss_bytes, spans))  # once: both need it
     plan = (
-        _solve(request.costs, budget, request.loss_bytes, spans, request.choose_ops, request.keep_only)
+        _solve(
+            request.costs, budget, request.loss_bytes, spans, request.choose_ops, request.keep_only,
+            floor=exact_floor,
+        )
         if budget > 0
         else None
-    )
+    )  # fmt: skip
     if plan is None:
         floor = min_feasible_budget(
-            request.costs, loss_bytes=request.loss_bytes, spans=spans, keep_only=request.keep_only
-        )
+            request.costs, loss_bytes=request.loss_bytes, spans=spans, keep_only=request.keep_only,
+            floor=exact_floor,
+        )  # fmt: skip
         floor += request.static_bytes
         model = CostModel(request.costs, request.loss_bytes)
         whole = (Segment(0, request.n_stages, False),)
