@@ -149,6 +149,39 @@ def test_a_global_forward_hook_added_before_backward_raises() -> None:
         handle.remove()
 
 
+def _doubled(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+    return output * 2  # picklable
+
+
+def test_a_loaded_model_looks_at_its_hooks_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model saved after a hook was added, and loaded where torch's hook-handle count is
+    where it was when the guard last found no hooks (a new process counts from 0 again):
+    the guard must look at the modules, not trust what it saw before saving."""
+    import pickle
+
+    from torch.utils.hooks import RemovableHandle
+
+    ck = autockpt.auto_checkpoint(model(), 3)
+    x = torch.randn(4, 8)
+    ck(x).sum().backward()  # every segment's last look: no hooks, at this count
+    count = RemovableHandle.next_id
+    ck[3].register_forward_hook(_doubled)  # between steps: fine
+    loaded = pickle.loads(pickle.dumps(ck))
+    monkeypatch.setattr(RemovableHandle, "next_id", count)  # as in a fresh process
+    out = loaded(x)
+    out.register_hook(lambda grad: grad)  # any registration moves the count
+    out.sum().backward()  # the hook was there in the forward too: nothing changed
+    ref = copy.deepcopy(loaded)
+    autockpt.restore(ref)
+    for m in (ref, loaded):
+        for p in m.parameters():
+            p.grad = None
+    for m in (ref, loaded):
+        torch.manual_seed(1)  # the same dropout masks
+        m(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), loaded.parameters()))
+
+
 def test_hooks_present_from_before_the_forward_train_bitwise_exactly() -> None:
     ref, ck = twin(model().double(), 3)
     for m in (ref, ck):

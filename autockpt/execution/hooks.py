@@ -38,6 +38,12 @@ class HookMemo:
         self.handles: int | None = None
         self.state: HookState | None = None
 
+    def __reduce__(self) -> tuple[type[HookMemo], tuple[()]]:
+        """Copied or unpickled empty: the handle count is this process's, and the copy's
+        modules may carry hooks its memo never saw (a model saved after adding a hook and
+        loaded where the count starts again from 0)."""
+        return HookMemo, ()
+
 
 # NOTE [Hooks unchanged when none was registered]
 #     Reading the hooks of every module of a block twice a step cost about 10 us a layer
@@ -47,8 +53,11 @@ class HookMemo:
 #     that a segment's recompute would run, and no handle was handed out since, there is
 #     still none: nothing was added, and there was nothing to remove. Any registration
 #     anywhere (a tensor hook, FSDP's per-step hooks) sends the next look back to the
-#     modules themselves. Hooks put into a module's dicts by hand, without a handle, are not
-#     seen by this shortcut.
+#     modules themselves. The memo is this process's: a copied or unpickled model starts
+#     with an empty one (the count starts again from 0 in a new process, and a hook added
+#     before saving was never seen). Not seen by the shortcut: hooks put into a module's
+#     dicts by hand, without a handle, and hooks registered from another thread while a
+#     step runs (the count moves before the hook is in its dict).
 
 
 def hooked_modules(stages: Sequence[Stage], named: NamedModules) -> tuple[tuple[str, nn.Module], ...]:

@@ -13,9 +13,9 @@ Algorithm: dynamic programming over positions keeping, per position, the Pareto 
 to 64 stages. Beyond that (when numpy is importable) the front is thinned to a grid of
 1/128 of the budget: per grid cell, the least-recompute path whose held bytes fall in it,
 its bytes kept exact so every budget check is exact; checkpointed segments are at most
-4 sqrt(n) stages long, and all those starting at one position are offered in one
-vectorised update. The optimum may then be missed where a path with fewer bytes but more
-recompute was merged away in a cell.
+4 sqrt(n) stages long, and all those starting at one position (after a plain or a
+checkpointed item) are offered in one vectorised update. The optimum may then be missed
+where a path with fewer bytes but more recompute was merged away in a cell.
 Complexity O(n * L * G) for n stages, segments of at most L stages and G grid points;
 1000 stages plan in about 0.7 s on 2 cores (``benchmarks/planner_scaling.py``).
 

@@ -65,8 +65,8 @@ def solve_on_grid(model: CostModel, budget: int) -> tuple[Segment, ...] | None:
             return
         cells, new_held = cells[:width], src_held[:width] + add
         new_cost = src_cost[None, :width] + extra[:, None]
-        target = new_held // quantum  # the same cells in every row: ``add`` is
-        valid = np.arange(width)[None, :] < k[:, None]  # a prefix of the sources per row
+        target = new_held // quantum  # the same in every row, as ``add`` is
+        valid = np.arange(width)[None, :] < k[:, None]  # per row, a prefix of the sources
         # Cells are a grid step wide, so at most two neighbouring sources share a target
         # cell: keep the cheaper (on a tie, the first, which holds fewer bytes).
         pair = (target[1:] == target[:-1])[None, :] & valid[:, 1:]
