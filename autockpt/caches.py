@@ -61,16 +61,20 @@ def without_caches(
     """``(args, kwargs)`` with caching switched off, and the names of what was changed.
 
     Runs once per checkpointed block call, so the usual call (nothing to change) copies
-    nothing."""
+    nothing and calls nothing for the usual values (tensors, ``None``, flags)."""
     changes: dict[str, Any] = {}
     for name, value in kwargs.items():
+        if value is None or (type(value) in _NEVER_CACHES and value is not True):
+            continue
         if name == "use_cache" and value is True:
             changes[name] = False
         elif _cache_like(name, value):
             changes[name] = None
+    caches = [i for i, a in enumerate(args) if a is not None and type(a) not in _NEVER_CACHES and is_cache(a)]
+    if not changes and not caches:
+        return args, kwargs, []
     changed = [f"{name}={value}" for name, value in changes.items()]
     new_kwargs = {**kwargs, **changes} if changes else kwargs
-    caches = [i for i, a in enumerate(args) if type(a) not in _NEVER_CACHES and a is not None and is_cache(a)]
     new_args = tuple(None if i in caches else a for i, a in enumerate(args)) if caches else args
     changed.extend(f"argument {i}=None" for i in caches)
     return new_args, new_kwargs, changed

@@ -8,6 +8,7 @@ and on small transformer layers every microsecond of it shows (NOTE [Segment inp
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,9 @@ def may_use_rng(rng_free: tuple[nn.Module, ...] | None) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in rng_free)
 
 
+_DEVICE = operator.attrgetter("device")
+
+
 def device_hints(x: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """One tensor of ``x`` per device it uses, from which ``checkpoint`` learns the devices
     whose RNG states and autocast settings it keeps (from the top-level tensors, or from
@@ -71,6 +75,8 @@ def device_hints(x: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, 
     tensors = [t for t in top if isinstance(t, torch.Tensor)] if isinstance(top, (tuple, list)) else []
     if not tensors:
         return tuple(t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)), ()
-    first = {t.device: t for t in reversed(tensors)} if len(tensors) > 1 else {None: tensors[0]}
+    if len(tensors) == 1 or len(set(map(_DEVICE, tensors))) == 1:  # the usual call: one device
+        return (tensors[0],), tuple(tensors[1:])
+    first = {t.device: t for t in reversed(tensors)}
     hints = tuple(first.values())
     return hints, tuple(t for t in tensors if not any(t is h for h in hints))

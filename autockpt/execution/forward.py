@@ -26,7 +26,7 @@ from autockpt.caches import cache_switch, without_caches, without_model_cache
 from autockpt.chain import Chain, DryRun, Unit, build_chain
 from autockpt.errors import AutockptError
 from autockpt.execution.policies import OpPolicy
-from autockpt.execution.runtime import SegmentRuntime, build_runtime, run_segments
+from autockpt.execution.runtime import SegmentRuntime, build_runtime, checkpoint_segment, run_segments
 from autockpt.measure.dry_run import probe_units
 from autockpt.plan import Plan
 from autockpt.planners import available_planners
@@ -66,7 +66,7 @@ class BlockForward:
         if changed and not BlockForward.told_caches:
             BlockForward.told_caches = True
             logger.info("autockpt: checkpointed blocks run without a cache (%s)", ", ".join(changed))
-        return run_segments((self.runtime,), (args, kwargs))
+        return checkpoint_segment(self.runtime, (args, kwargs))
 
 
 class CheckpointedForward:

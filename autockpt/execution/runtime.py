@@ -80,8 +80,10 @@ NOTE [Recompute detection]
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -99,9 +101,22 @@ from autockpt.plan import Segment
 from autockpt.sandbox import recomputing
 from autockpt.walkers.graph import GraphPiece
 
-__all__ = ["SegmentRuntime", "build_runtime", "compiled_body", "run_body", "run_segments"]
+__all__ = [
+    "SegmentRuntime",
+    "build_runtime",
+    "checkpoint_segment",
+    "compiled_body",
+    "run_body",
+    "run_segments",
+]
 
 BufferSlot = tuple[nn.Module, str]
+
+# The guard reads these for every tensor and module of a segment on every call; mapped in C
+# rather than looped in Python: on small layers every microsecond of a call shows.
+_VERSION = operator.attrgetter("_version")
+_TRAINING = operator.attrgetter("training")
+_NOT_NONE = functools.partial(operator.is_not, None)
 
 
 def segment_buffers(stages: Sequence[Stage]) -> tuple[BufferSlot, ...]:
@@ -129,6 +144,7 @@ class SegmentRuntime:
     children: tuple[SegmentRuntime, ...] = ()
     rng_free: tuple[nn.Module, ...] | None = None  # execution/checkpoint_args.py
     named_modules: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; the mutation guard's
+    modules: tuple[nn.Module, ...] = ()  # the modules of named_modules
     hooked: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; whose forward hooks run inside
     guarded_dicts: tuple[dict[str, Any], ...] = ()  # the _parameters and _buffers of named_modules
     hook_memo: HookMemo = field(default_factory=HookMemo)  # execution/hooks.py
@@ -166,6 +182,7 @@ def build_runtime(
             children=build_runtime(seg.children, stages, debug=debug, prefix=f"{prefix}{i}.", policy=policy),
             rng_free=rng_free_modules(own),
             named_modules=named,
+            modules=tuple(m for _, m in named),
             hooked=hooked_modules(own, named) if seg.checkpoint else (),
             guarded_dicts=tuple(d for _, m in named for d in (m._parameters, m._buffers)),
             label=f"{prefix}{i}",
@@ -181,26 +198,26 @@ def build_runtime(
 
 def run_segments(runtimes: Sequence[SegmentRuntime], x: Any) -> Any:
     """Run the segments in order, checkpointing those the plan marks."""
-    compiling = torch.compiler.is_compiling()
     for rt in runtimes:
-        if rt.segment.checkpoint:
-            if compiling:  # see NOTE [Under torch.compile]
-                leaves, spec = tree_flatten(x)
-                x = torch.utils.checkpoint.checkpoint(
-                    functools.partial(compiled_body, rt, spec), *leaves, use_reentrant=False
-                )
-                continue
-            hints, others = device_hints(x)
-            x = torch.utils.checkpoint.checkpoint(
-                _SegmentCall(rt, x, others),
-                *hints,
-                use_reentrant=False,
-                preserve_rng_state=may_use_rng(rt.rng_free),
-                context_fn=noop_context_fn if rt.selective is None else rt.selective,
-            )
-        else:
-            x = run_body(rt, x)
+        x = checkpoint_segment(rt, x) if rt.segment.checkpoint else run_body(rt, x)
     return x
+
+
+def checkpoint_segment(rt: SegmentRuntime, x: Any) -> Any:
+    """One checkpointed call of ``rt``'s segment on ``x``."""
+    if torch.compiler.is_compiling():  # see NOTE [Under torch.compile]
+        leaves, spec = tree_flatten(x)
+        return torch.utils.checkpoint.checkpoint(
+            functools.partial(compiled_body, rt, spec), *leaves, use_reentrant=False
+        )
+    hints, others = device_hints(x)
+    return torch.utils.checkpoint.checkpoint(
+        _SegmentCall(rt, x, others),
+        *hints,
+        use_reentrant=False,
+        preserve_rng_state=may_use_rng(rt.rng_free),
+        context_fn=noop_context_fn if rt.selective is None else rt.selective,
+    )
 
 
 def compiled_body(rt: SegmentRuntime, spec: Any, *leaves: Any) -> Any:
@@ -238,7 +255,8 @@ class _SegmentCall:
     def __init__(self, rt: SegmentRuntime, x: Any, others: Sequence[torch.Tensor] = ()) -> None:
         self.rt = rt
         self.x = x  # the segment's input (NOTE [Segment inputs])
-        self.inputs = [(t, t._version) for t in others]  # input tensors checkpoint does not keep
+        self.inputs = others  # input tensors checkpoint does not keep
+        self.input_versions = list(map(_VERSION, others))
         self.old: dict[int, torch.Tensor | None] | None = None
         self.guarded: list[torch.Tensor] = []  # parameters and buffers whose versions are kept
         self.versions: list[int] = []  # per self.guarded
@@ -299,24 +317,26 @@ class _SegmentCall:
         """What the recompute must find unchanged: parameter and buffer versions (buffers
         this forward changed are replayed from the copies above, so they are exempt) and
         every module's train/eval mode. See NOTE [Mutation guard]."""
-        guarded = [t for tensors in self.rt.guarded_dicts for t in tensors.values() if t is not None]
+        rt = self.rt
+        guarded = list(filter(_NOT_NONE, chain.from_iterable(map(dict.values, rt.guarded_dicts))))
         if replayed:
-            skip = {id(self.rt.buffers[i][0]._buffers.get(self.rt.buffers[i][1])) for i in replayed}
+            skip = {id(rt.buffers[i][0]._buffers.get(rt.buffers[i][1])) for i in replayed}
             guarded = [t for t in guarded if id(t) not in skip]
         self.guarded = guarded
-        self.versions = [t._version for t in guarded]
-        self.modes = [module.training for _, module in self.rt.named_modules]
-        self.hooks = hook_state(self.rt.hooked, self.rt.hook_memo)
+        self.versions = list(map(_VERSION, guarded))
+        self.modes = list(map(_TRAINING, rt.modules))
+        self.hooks = hook_state(rt.hooked, rt.hook_memo)
 
     def _check_state(self) -> None:
+        rt = self.rt
         if (
-            all(t._version == version for t, version in self.inputs)
-            and [t._version for t in self.guarded] == self.versions
-            and [module.training for _, module in self.rt.named_modules] == self.modes
-            and hook_state(self.rt.hooked, self.rt.hook_memo) == self.hooks
+            list(map(_VERSION, self.inputs)) == self.input_versions
+            and list(map(_VERSION, self.guarded)) == self.versions
+            and list(map(_TRAINING, rt.modules)) == self.modes
+            and hook_state(rt.hooked, rt.hook_memo) == self.hooks
         ):
             return
-        for t, version in self.inputs:
+        for t, version in zip(self.inputs, self.input_versions):
             if t._version != version:
                 raise MutationError(
                     f"autockpt: an input tensor of {self.rt.description} (shape {tuple(t.shape)}) was "
