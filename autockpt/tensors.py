@@ -9,7 +9,7 @@ the same function.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ __all__ = [
     "detached",
     "device_of",
     "requiring_grad",
+    "signature",
     "static_bytes",
     "storage_bytes",
     "storage_key",
@@ -34,6 +35,13 @@ __all__ = [
 def tensors_in(tree: Any) -> list[torch.Tensor]:
     """Every tensor in a nested structure (tuples, lists, dicts), in pytree order."""
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def signature(tree: Any) -> tuple[Hashable, ...]:
+    """The shapes, dtypes, devices, strides and ``requires_grad`` of the tensors in ``tree``:
+    what a measurement of them depends on, as a cache key."""
+    leaves = tensors_in(tree)
+    return tuple((tuple(v.shape), v.dtype, str(v.device), v.stride(), v.requires_grad) for v in leaves)
 
 
 def storage_key(t: torch.Tensor) -> int:

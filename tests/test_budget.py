@@ -351,6 +351,33 @@ def test_infeasible_budget_through_the_api() -> None:
         autockpt.auto_checkpoint(chain(), budget=1024, example_inputs=(torch.randn(8, WIDTH),))
 
 
+def test_a_retry_after_an_infeasible_budget_walks_once_and_a_change_walks_again() -> None:
+    """NOTE [A retry after an infeasible budget] in planning.py."""
+    import autockpt.planning as planning
+
+    x = torch.randn(8, WIDTH)
+    model = chain()
+    with mock.patch.object(planning, "walk", wraps=planning.walk) as walked:
+        with pytest.raises(autockpt.PlanInfeasibleError) as err:
+            autockpt.auto_checkpoint(model, budget=1024, example_inputs=(x,))
+        floor, whole = err.value.min_budget_bytes, err.value.unwrapped_bytes
+        assert floor is not None and whole is not None
+        with pytest.raises(autockpt.PlanInfeasibleError):  # the retry, itself infeasible again
+            autockpt.auto_checkpoint(model, budget=2048, example_inputs=(x,))
+        assert walked.call_count == 1
+        model.eval()  # a change the walk depends on: walked again
+        with pytest.raises(autockpt.PlanInfeasibleError):
+            autockpt.auto_checkpoint(model, budget=1024, example_inputs=(x,))
+        assert walked.call_count == 2
+        model.train()
+        autockpt.auto_checkpoint(model, budget=(floor + whole) // 2, example_inputs=(x,))
+        assert walked.call_count == 3  # the last infeasible call was in eval mode
+    ref = chain()
+    for m in (ref, model):
+        m(x).square().mean().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters()))
+
+
 def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> None:
     import random
 

@@ -75,7 +75,7 @@ def test_a_chain_profile_measures_its_bytes_in_one_allocator_session() -> None:
     value = x
     for stage, cost in zip([m for block in model for m in block], prof.costs):
         with memory.Windows(torch.device("cpu"), collect=False) as windows:
-            alone, value = measured_stage_in(windows, stage, [stage], value, torch.device("cpu"), 1)
+            alone, value, _ = measured_stage_in(windows, stage, [stage], value, torch.device("cpu"), 1)
         one = alone()
         assert (one.kept_bytes, one.out_bytes, one.fwd_peak_bytes, one.bwd_peak_bytes) == (
             cost.kept_bytes,
@@ -304,6 +304,33 @@ def test_profiling_a_block_walked_model_gives_the_callers_inputs_no_grad() -> No
     x = torch.randn(8, 16, requires_grad=True)
     prof = autockpt.profile(Stack(), (x,), mode="blocks")
     assert prof.walker == "blocks" and x.grad is None
+
+
+def test_twin_blocks_are_timed_once_and_measured_each() -> None:
+    """NOTE [Twin blocks are timed once] in measure/blocks.py: blocks of one class, with the
+    same parameter and input shapes, share the first one's times; the others are timed."""
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            widths = [(16, 16), (16, 16), (16, 16), (16, 32), (32, 32)]
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in widths)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    import autockpt.measure.profiling as profiling
+
+    with mock.patch.object(profiling, "stage_times", wraps=profiling.stage_times) as timed:
+        # an input requiring gradients, as the later blocks' do: layer 0 is a twin of 1 and 2
+        prof = autockpt.profile(Stack(), (torch.randn(8, 16, requires_grad=True),), mode="blocks")
+    assert timed.call_count == 3  # layers 0 (for 1 and 2 too), 3 and 4
+    blocks = [c for c, i in zip(prof.costs, prof.stage_of or ()) if i is not None]
+    assert len(blocks) == 5
+    assert len({(c.fwd_ms, c.bwd_ms) for c in blocks[:3]}) == 1
+    assert blocks[3].out_bytes == 2 * blocks[0].out_bytes  # bytes: each block its own
 
 
 class Scaled(nn.Module):

@@ -28,9 +28,9 @@ from torch import nn
 from autockpt.chain import Chain, build_chain
 from autockpt.measure.blocks import profile_blocks
 from autockpt.measure.dry_run import dry_run
-from autockpt.measure.losses import LossFn
-from autockpt.measure.profiling import Profile, measure_loss, profile_chain
-from autockpt.tensors import as_args, static_bytes, tensors_in
+from autockpt.measure.losses import LossFn, measure_loss
+from autockpt.measure.profiling import Profile, profile_chain
+from autockpt.tensors import as_args, signature, static_bytes
 from autockpt.walkers import Walked, walk
 from autockpt.walkers.graph import none_pattern
 
@@ -127,15 +127,10 @@ def _key(model: nn.Module, chain: Chain, inputs: Any) -> Hashable:
     return (
         chain.walker,
         chain.names,
-        _signature(inputs),
-        _signature(list(model.parameters())),
+        signature(inputs),
+        signature(list(model.parameters())),
         model.training,
     )
-
-
-def _signature(tree: Any) -> tuple[Hashable, ...]:
-    leaves = tensors_in(tree)
-    return tuple((tuple(v.shape), v.dtype, str(v.device), v.stride(), v.requires_grad) for v in leaves)
 
 
 def profile(

@@ -33,7 +33,6 @@ from torch import nn
 
 from autockpt.chain import Chain
 from autockpt.measure.dispatch import selective_dispatch_ms
-from autockpt.measure.losses import LossFn, step_loss
 from autockpt.measure.memory import Windows
 from autockpt.measure.ops import measure_ops
 from autockpt.measure.timing import StageRun, nominal_times, stage_times
@@ -53,7 +52,7 @@ from autockpt.tensors import (
 from autockpt.timeline import Curve, MemoryTimeline, predicted_curve
 from autockpt.units import format_bytes
 
-__all__ = ["Profile", "StageRun", "measure_loss", "measured_stage_in", "profile_chain"]
+__all__ = ["Profile", "StageRun", "StageTimes", "measured_stage_in", "profile_chain"]
 
 
 @dataclass(frozen=True)
@@ -260,15 +259,20 @@ def measured_stage_in(
     *,
     grads_as_given: bool = False,
     ops: bool = False,
-) -> tuple[Callable[[], StageCost], Any]:
+    times: StageTimes | None = None,
+) -> tuple[Callable[[], StageCost], Any, StageTimes]:
     """One stage measured as :func:`profile_chain` measures each (times, then bytes), the
     bytes inside an allocator session the caller holds open (one session for many
     measurements: each CPU session costs a profiler start and stop); the cost is read, by
-    calling the function returned, once that session has closed."""
+    calling the function returned, once that session has closed. Given ``times`` (those of
+    an identical stage measured before), only the bytes are measured. Returns the cost, the
+    stage's output and its times."""
     params = _trained(p for m in modules for p in m.parameters())
-    times = _stage_times(stage, params, x, device, repeats, grads_as_given, ops)[0]  # output unused: freed
+    if times is None:
+        times = _stage_times(stage, params, x, device, repeats, grads_as_given, ops)[0]  # output freed
     cost, out = _stage_cost_in(windows, stage, params, x, device, grads_as_given=grads_as_given)
-    return (lambda: cost(times)), out
+    measured = times
+    return (lambda: cost(measured)), out, times
 
 
 def _stage_cost_in(
@@ -426,25 +430,3 @@ def _timing_pass(
     for stage, params in stages:
         t, value = _stage_times(stage, params, value, device, repeats, False, ops, warm_up=warm_up)
         times.append(t)
-
-
-def measure_loss(
-    model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], loss_fn: LossFn | None, *, where: str
-) -> int:
-    """Bytes the loss needs on top of the model's output (see :attr:`Profile.loss_bytes`).
-
-    The output comes from one forward under ``no_grad`` (buffers and RNG untouched) and is
-    made a leaf, so only the loss's own tensors and the output's gradient are counted.
-    """
-    device = device_of(model, [list(args), kwargs])
-    with dry_run_state(model, [list(args), kwargs]), torch.no_grad():
-        out = model(*args, **kwargs)
-    out, _ = requiring_grad(out)
-    with Windows(device, collect=False) as windows:  # the young generations: ~0.2 s less
-        windows.mark()
-        loss = step_loss(out, loss_fn, where=where)
-        if loss.requires_grad:
-            loss.backward()
-        del loss
-        windows.mark()
-    return windows.result[1][0]
