@@ -333,6 +333,34 @@ def test_twin_blocks_are_timed_once_and_measured_each() -> None:
     assert blocks[3].out_bytes == 2 * blocks[0].out_bytes  # bytes: each block its own
 
 
+def test_a_block_profile_steps_again_until_no_block_is_skipped() -> None:
+    """NOTE [Blocks a step skips] in measure/blocks.py: a LayerDrop model whose first profiled
+    step skips a layer is profiled on another step; the caller's RNG is left as it was."""
+    drop = 0.2
+
+    class LayerDrop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                if self.training and torch.rand([]) < drop:
+                    continue
+                x = layer(x)
+            return x
+
+    seed = next(
+        s for s in range(100) if (torch.rand(3, generator=torch.Generator().manual_seed(s)) < drop).any()
+    )
+    model, x = LayerDrop(), torch.randn(8, 16)
+    torch.manual_seed(seed)  # the step at this state skips a layer
+    state = torch.get_rng_state()
+    prof = autockpt.profile(model, (x,), mode="blocks")
+    assert sum(i is not None for i in prof.stage_of or ()) == 3
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 class Scaled(nn.Module):
     """Traced through by fx (not a leaf), so a hook added to it later makes the model trace again."""
 

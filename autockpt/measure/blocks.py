@@ -43,6 +43,14 @@ NOTE [Twin blocks are timed once]
     its bytes are still measured on its own. On tiny 4-layer Hugging Face configs this
     removes about a tenth of a budget plan's cost; the more layers, the more.
 
+NOTE [Blocks a step skips]
+    A model with LayerDrop (wav2vec2, HF's default ``layerdrop=0.1``) skips each layer of a
+    training step at random, and a block the profiled step skipped cannot be measured; with
+    four layers that is a third of all steps. The budget must hold on steps that run every
+    layer, so the step is profiled again, with the CPU generator seeded otherwise inside
+    the step (``preserved`` puts the caller's RNG back), until one ran every block, up to
+    ``STEP_ATTEMPTS`` times; the error names the blocks that never ran.
+
 NOTE [The model's output in a block profile]
     The last gap ends with the model's output, which a training loop holds until the step
     ends (the cost model keeps the output alive through the whole backward). Counted among
@@ -75,7 +83,9 @@ from autockpt.planners import StageCost
 from autockpt.sandbox import preserved, recomputing
 from autockpt.tensors import device_of, requiring_grad, storage_bytes, storage_sizes, tensors_in
 
-__all__ = ["profile_blocks"]
+__all__ = ["STEP_ATTEMPTS", "profile_blocks"]
+
+STEP_ATTEMPTS = 5  # NOTE [Blocks a step skips]
 
 
 class _Step:
@@ -126,6 +136,30 @@ def profile_blocks(
     caller keeps old garbage alive: its windows collect the young generations only). With
     ``ops``, each block's ops too (the gaps are never checkpointed: they need none)."""
     device = device_of(model, [list(args), kwargs])
+    for attempt in range(STEP_ATTEMPTS):  # NOTE [Blocks a step skips]
+        step, alone, inputs, out_bytes = _profile_step(
+            model, chain, args, kwargs, device, repeats, ops, attempt
+        )
+        if len(alone) == len(chain.stages):
+            break
+    costs = {i: cost() for i, cost in alone.items()}
+    return _assemble(
+        chain, step.order, costs, inputs, step.by_label(), step.grads, static_bytes, device, out_bytes
+    )
+
+
+def _profile_step(
+    model: nn.Module,
+    chain: Chain,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    repeats: int,
+    ops: bool,
+    attempt: int,
+) -> tuple[_Step, dict[int, Callable[[], StageCost]], dict[int, dict[int, int]], int]:
+    """One profiled step of the model: its windows, each block's cost (read once the windows
+    closed), each block's input storages, and the model's output bytes."""
     blocks = [stage.units[0].modules[0] for stage in chain.stages]
     calls = [stage.units[0].fn for stage in chain.stages]
     in_block = {id(p) for b in blocks for p in b.parameters()}
@@ -142,6 +176,8 @@ def profile_blocks(
         Windows(device, collect=False) as windows,
     ):
         fresh()
+        if attempt:  # another draw of the blocks a step skips (NOTE [Blocks a step skips])
+            torch.default_generator.manual_seed(attempt)
         step = _Step(windows, outside)
         for i, (block, call) in enumerate(zip(blocks, calls)):
             block.__dict__["forward"] = _measuring_forward(
@@ -157,10 +193,7 @@ def profile_blocks(
             loss.backward()
         del loss, out
         step.mark("end")
-    costs = {i: cost() for i, cost in alone.items()}
-    return _assemble(
-        chain, step.order, costs, inputs, step.by_label(), step.grads, static_bytes, device, out_bytes
-    )
+    return step, alone, inputs, out_bytes
 
 
 def _measuring_forward(
