@@ -233,9 +233,15 @@ def test_auto_needs_a_budget() -> None:
         autockpt.auto_checkpoint(gelu_blocks(), 3, policy="auto")
 
 
-def test_the_chosen_ops_are_not_recomputed() -> None:
+def test_the_chosen_ops_are_not_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
     from test_policies import OpCounter
 
+    import autockpt.measure.profiling as profiling
+
+    # Whether keeping ops pays is measured, and on a busy machine the per-op dispatch cost
+    # came out high enough that the planner kept none (once in a full suite run): without it,
+    # the ops chosen depend on bytes and times alone, and keeping always saves time.
+    monkeypatch.setattr(profiling, "selective_dispatch_ms", lambda device: 0.0)
     x = torch.randn(512, 64)
     model = gelu_blocks()
     plan = autockpt.make_plan(model, budget=0.7, example_inputs=(x,), policy="auto")
