@@ -102,8 +102,9 @@ def prepare(
         plan = build_plan(chain, "budget" if budget is not None else segments, where=where,
                           notes=walked.notes, budget=costs)  # fmt: skip
     except PlanInfeasibleError:  # NOTE [A retry after an infeasible budget]
-        key = _walk_key(model, example_inputs, example_kwargs, mode, saved=budget is None)
-        _RETRY[model] = (key, walked, dry, chain)
+        if walked.program is None:  # a trace is kept from nothing; it holds the model itself
+            key = _walk_key(model, example_inputs, example_kwargs, mode, saved=budget is None)
+            _RETRY[model] = (key, walked, dry, chain)
         raise
     if policy is not None and policy != plan.policy:
         plan = dataclasses.replace(plan, policy=policy)
@@ -128,9 +129,7 @@ def walk_and_dry_run(
     kept = _RETRY.pop(model, None)
     if kept is not None and has_inputs:  # NOTE [A retry after an infeasible budget]
         key, walked, dry, chain = kept
-        program = walked.program
-        same = key == _walk_key(model, example_inputs, example_kwargs, mode, saved=saved)
-        if same and (program is None or not program.hooks_added()):
+        if key == _walk_key(model, example_inputs, example_kwargs, mode, saved=saved):
             return walked, dry, chain
     none_args = none_pattern(model, args, kwargs) if has_inputs else None  # trace for this call
     walked = walk(model, mode, where=where, none_args=none_args)
@@ -145,13 +144,16 @@ def walk_and_dry_run(
 # NOTE [A retry after an infeasible budget]
 #     A budget below the floor raises PlanInfeasibleError with the floor and the unwrapped
 #     peak, and the natural next call is the same one at a feasible budget. The profile is
-#     cached (measure/model_profile.py), but walking again (an fx trace: 0.16 s on a small
-#     timm MobileNet, two steps of it) and dry-running again made that retry cost as much as
-#     the first call. So the walk, dry run and chain of a call that ended infeasible are kept
-#     for the model's next call, used only if that call's walk would see the same things:
-#     walker choice, the same modules in the same places, their forwards and train/eval modes,
-#     parameter and input shapes, non-tensor arguments, and no hook added inside a traced
-#     module since; any other call drops them.
+#     cached (measure/model_profile.py), but walking and dry-running again made that retry
+#     cost much of the first call. So the walk, dry run and chain of a call that ended
+#     infeasible are kept for the model's next call, used only if that call's walk would see
+#     the same things: walker choice, the same modules in the same places, their forwards
+#     and plain settings (train/eval mode, flags, rates), parameter and input shapes and the
+#     other arguments; any other call drops them. Only walks without a trace are kept (the
+#     sequential and block walkers, whose units call the model's own code): a kept fx trace
+#     holds the model (a weak key whose value keeps it alive: a leak) and bakes in control
+#     flow that an attribute the key cannot see (a config object's) may have changed since
+#     (both found in review); the graph walker's retry walks again.
 _RETRY: weakref.WeakKeyDictionary[nn.Module, tuple[Hashable, Walked, DryRun | None, Chain]] = (
     weakref.WeakKeyDictionary()
 )
@@ -179,8 +181,18 @@ def _walk_key(
         others,
         signature([list(args), kwargs]),
         signature(list(model.parameters())),
-        tuple((name, id(m), m.training, id(m.__dict__.get("forward"))) for name, m in model.named_modules()),
+        tuple(
+            (name, id(m), id(m.__dict__.get("forward")), _settings(m)) for name, m in model.named_modules()
+        ),
     )
+
+
+def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
+    """A module's plain settings (``training``, ``inplace``, ``p``, flags a forward reads)."""
+    return tuple((k, v) for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, _PLAIN))
+
+
+_PLAIN = (bool, int, float, str, type(None))
 
 
 def _check_arguments(

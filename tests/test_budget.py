@@ -369,13 +369,39 @@ def test_a_retry_after_an_infeasible_budget_walks_once_and_a_change_walks_again(
         with pytest.raises(autockpt.PlanInfeasibleError):
             autockpt.auto_checkpoint(model, budget=1024, example_inputs=(x,))
         assert walked.call_count == 2
+        model[0].flag = True  # a setting a forward might read: walked again
+        with pytest.raises(autockpt.PlanInfeasibleError):
+            autockpt.auto_checkpoint(model, budget=1024, example_inputs=(x,))
+        assert walked.call_count == 3
         model.train()
         autockpt.auto_checkpoint(model, budget=(floor + whole) // 2, example_inputs=(x,))
-        assert walked.call_count == 3  # the last infeasible call was in eval mode
+        assert walked.call_count == 4  # the last infeasible call was in eval mode
     ref = chain()
     for m in (ref, model):
         m(x).square().mean().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+def test_an_infeasible_graph_walked_model_is_not_kept_alive() -> None:
+    """A kept fx trace would hold the model (NOTE [A retry after an infeasible budget])."""
+    import gc
+    import weakref
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+    model = Net()
+    with pytest.raises(autockpt.PlanInfeasibleError):
+        autockpt.auto_checkpoint(model, budget=1024, example_inputs=(torch.randn(8, WIDTH),), mode="graph")
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
 
 
 def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> None:

@@ -315,6 +315,8 @@ def test_twin_blocks_are_timed_once_and_measured_each() -> None:
             super().__init__()
             widths = [(16, 16), (16, 16), (16, 16), (16, 32), (32, 32)]
             self.layers = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in widths)
+            # the same parameters and input as layer 4, other modules (timm: Identity or DropPath)
+            self.layers.append(nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Identity()))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for layer in self.layers:
@@ -326,9 +328,9 @@ def test_twin_blocks_are_timed_once_and_measured_each() -> None:
     with mock.patch.object(profiling, "stage_times", wraps=profiling.stage_times) as timed:
         # an input requiring gradients, as the later blocks' do: layer 0 is a twin of 1 and 2
         prof = autockpt.profile(Stack(), (torch.randn(8, 16, requires_grad=True),), mode="blocks")
-    assert timed.call_count == 3  # layers 0 (for 1 and 2 too), 3 and 4
+    assert timed.call_count == 4  # layers 0 (for 1 and 2 too), 3, 4 and 5
     blocks = [c for c, i in zip(prof.costs, prof.stage_of or ()) if i is not None]
-    assert len(blocks) == 5
+    assert len(blocks) == 6
     assert len({(c.fwd_ms, c.bwd_ms) for c in blocks[:3]}) == 1
     assert blocks[3].out_bytes == 2 * blocks[0].out_bytes  # bytes: each block its own
 

@@ -38,10 +38,12 @@ NOTE [Twin blocks are timed once]
     Timing a block takes a warm-up and ``repeats`` runs, four forwards and backwards where
     measuring its bytes takes one, and most block-walked models are a stack of identical
     layers: timing each again only re-measures the same kernels (and their noise). So a
-    block whose class, parameter shapes and inputs (shapes, dtypes, strides, devices,
+    block whose module classes (all of them: timm puts an Identity or a DropPath in a block
+    depending on its depth), parameter shapes and inputs (shapes, dtypes, strides, devices,
     gradients, and the other arguments) match one timed before takes that block's times;
-    its bytes are still measured on its own. On tiny 4-layer Hugging Face configs this
-    removes about a tenth of a budget plan's cost; the more layers, the more.
+    its bytes, and its op profile when one is asked for, are still measured on its own. On
+    tiny 4-layer Hugging Face configs this removes about a tenth of a budget plan's cost;
+    the more layers, the more.
 
 NOTE [Blocks a step skips]
     A model with LayerDrop (wav2vec2, HF's default ``layerdrop=0.1``) skips each layer of a
@@ -224,7 +226,7 @@ def _measuring_forward(
                 repeats,
                 grads_as_given=True,
                 ops=ops,
-                times=timed.get(twin),
+                times=None if ops else timed.get(twin),  # an op profile is each block's own
             )
             inputs[i] = storage_sizes(tensors_in((args, kwargs)))
         if i in alone:  # windows are labelled by position in step.order
@@ -253,8 +255,8 @@ def _measuring_forward(
 
 
 def _twin_key(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    """What makes two blocks twins (NOTE [Twin blocks are timed once]): the class, the
-    parameters' and the inputs' shapes, dtypes, strides and devices, which inputs require
+    """What makes two blocks twins (NOTE [Twin blocks are timed once]): the classes of all
+    their modules, the parameters' and the inputs' shapes, dtypes, strides and devices, which inputs require
     gradients, and the other arguments (by type, or value for flags and numbers)."""
 
     def sig(value: Any) -> Any:
@@ -267,7 +269,7 @@ def _twin_key(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         return type(value)
 
     return (
-        type(block),
+        tuple(type(m) for m in block.modules()),  # timm's Identity-or-DropPath differ here
         tuple(sig(p) for p in block.parameters()),
         sig(args),
         tuple((name, sig(value)) for name, value in kwargs.items()),
