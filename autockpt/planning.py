@@ -26,9 +26,7 @@ import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from autockpt.budget_plans import BudgetCosts, OpPolicy, budget_costs, budget_segments, policy_masks
 from autockpt.chain import Chain, DryRun, Unit, build_chain
@@ -38,7 +36,7 @@ from autockpt.measure.losses import LossFn
 from autockpt.plan import Plan, Segment, StageFigures
 from autockpt.planners import Planner, PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import estimated_peak, uniform_plan
-from autockpt.tensors import as_args, signature
+from autockpt.tensors import arguments_key, as_args, signature
 from autockpt.units import format_bytes
 from autockpt.walkers import Walked, walk
 from autockpt.walkers.graph import none_pattern
@@ -169,17 +167,11 @@ def _walk_key(
 ) -> Hashable:
     """What a walk and dry run of ``model`` on these inputs depend on."""
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
-    others = tuple(
-        type(v) if not isinstance(v, (bool, int, float, str, type(None))) else (type(v), v)
-        for v in tree_leaves([list(args), kwargs])
-        if not isinstance(v, torch.Tensor)
-    )
     return (
         mode,
         saved,
         tuple(kwargs),
-        others,
-        signature([list(args), kwargs]),
+        arguments_key([list(args), kwargs]),
         signature(list(model.parameters())),
         tuple(
             (name, id(m), id(m.__dict__.get("forward")), _settings(m)) for name, m in model.named_modules()
@@ -189,10 +181,11 @@ def _walk_key(
 
 def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
     """A module's plain settings (``training``, ``inplace``, ``p``, flags a forward reads)."""
-    return tuple((k, v) for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, _PLAIN))
-
-
-_PLAIN = (bool, int, float, str, type(None))
+    return tuple(
+        (k, v)
+        for k, v in vars(module).items()
+        if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
+    )
 
 
 def _check_arguments(

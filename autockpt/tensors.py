@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 __all__ = [
+    "arguments_key",
     "as_args",
     "cloned",
     "detached",
@@ -42,6 +43,20 @@ def signature(tree: Any) -> tuple[Hashable, ...]:
     what a measurement of them depends on, as a cache key."""
     leaves = tensors_in(tree)
     return tuple((tuple(v.shape), v.dtype, str(v.device), v.stride(), v.requires_grad) for v in leaves)
+
+
+def arguments_key(tree: Any) -> tuple[Hashable, ...]:
+    """A cache key for arguments: :func:`signature` of their tensors, and the other leaves
+    by value where plain (flags, numbers, strings, ``None``), else by type."""
+    others = tuple(
+        (type(v), v) if isinstance(v, _PLAIN) else type(v)
+        for v in tree_leaves(tree)
+        if not isinstance(v, torch.Tensor)
+    )
+    return signature(tree), others
+
+
+_PLAIN = (bool, int, float, str, type(None))
 
 
 def storage_key(t: torch.Tensor) -> int:

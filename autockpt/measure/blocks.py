@@ -83,7 +83,15 @@ from autockpt.measure.memory import Windows
 from autockpt.measure.profiling import Profile, StageTimes, measured_stage_in
 from autockpt.planners import StageCost
 from autockpt.sandbox import preserved, recomputing
-from autockpt.tensors import device_of, requiring_grad, storage_bytes, storage_sizes, tensors_in
+from autockpt.tensors import (
+    arguments_key,
+    device_of,
+    requiring_grad,
+    signature,
+    storage_bytes,
+    storage_sizes,
+    tensors_in,
+)
 
 __all__ = ["STEP_ATTEMPTS", "profile_blocks"]
 
@@ -256,23 +264,12 @@ def _measuring_forward(
 
 def _twin_key(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     """What makes two blocks twins (NOTE [Twin blocks are timed once]): the classes of all
-    their modules, the parameters' and the inputs' shapes, dtypes, strides and devices, which inputs require
-    gradients, and the other arguments (by type, or value for flags and numbers)."""
-
-    def sig(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return (tuple(value.shape), value.dtype, value.device, value.stride(), value.requires_grad)
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        if isinstance(value, (tuple, list)):
-            return tuple(sig(v) for v in value)
-        return type(value)
-
+    their modules, their parameters' signature and their arguments' key."""
     return (
         tuple(type(m) for m in block.modules()),  # timm's Identity-or-DropPath differ here
-        tuple(sig(p) for p in block.parameters()),
-        sig(args),
-        tuple((name, sig(value)) for name, value in kwargs.items()),
+        signature(list(block.parameters())),
+        tuple(kwargs),
+        arguments_key([list(args), kwargs]),
     )
 
 
