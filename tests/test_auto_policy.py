@@ -202,7 +202,19 @@ def gelu_blocks() -> nn.Sequential:
     return nn.Sequential(*(MLPBlock() for _ in range(6)))
 
 
+@pytest.fixture
+def free_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-op dispatch cost 0 for tests that need the planner to keep ops: whether keeping
+    pays is measured, and on a busy machine the dispatch cost came out high enough that it
+    kept none (each of these tests failed so once in a full suite run); without it, the ops
+    chosen depend on bytes and times alone, and keeping always saves time."""
+    import autockpt.measure.profiling as profiling
+
+    monkeypatch.setattr(profiling, "selective_dispatch_ms", lambda device: 0.0)
+
+
 @pytest.mark.parametrize("fraction", [0.5, 0.7])
+@pytest.mark.usefixtures("free_dispatch")
 def test_auto_plans_are_predicted_to_the_byte_and_keep_their_budget(fraction: float) -> None:
     x = torch.randn(512, 64)
     model = autockpt.auto_checkpoint(gelu_blocks(), budget=fraction, example_inputs=(x,), policy="auto")
@@ -219,6 +231,7 @@ def test_auto_plans_are_predicted_to_the_byte_and_keep_their_budget(fraction: fl
     assert again == plan
 
 
+@pytest.mark.usefixtures("free_dispatch")
 def test_auto_plans_train_exactly() -> None:
     x = torch.randn(512, 64, dtype=torch.float64)
     model = gelu_blocks().double()
@@ -233,15 +246,10 @@ def test_auto_needs_a_budget() -> None:
         autockpt.auto_checkpoint(gelu_blocks(), 3, policy="auto")
 
 
-def test_the_chosen_ops_are_not_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("free_dispatch")
+def test_the_chosen_ops_are_not_recomputed() -> None:
     from test_policies import OpCounter
 
-    import autockpt.measure.profiling as profiling
-
-    # Whether keeping ops pays is measured, and on a busy machine the per-op dispatch cost
-    # came out high enough that the planner kept none (once in a full suite run): without it,
-    # the ops chosen depend on bytes and times alone, and keeping always saves time.
-    monkeypatch.setattr(profiling, "selective_dispatch_ms", lambda device: 0.0)
     x = torch.randn(512, 64)
     model = gelu_blocks()
     plan = autockpt.make_plan(model, budget=0.7, example_inputs=(x,), policy="auto")
