@@ -290,19 +290,23 @@ def test_profiling_and_the_dry_run_leave_nothing_alive() -> None:
     assert mem.tensor_live_bytes == 0
 
 
+class Layers(nn.Module):
+    """Its layers run in a loop: a block-walked model."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def test_profiling_a_block_walked_model_gives_the_callers_inputs_no_grad() -> None:
-    class Stack(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
     x = torch.randn(8, 16, requires_grad=True)
-    prof = autockpt.profile(Stack(), (x,), mode="blocks")
+    layers = Layers([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
+    prof = autockpt.profile(layers, (x,), mode="blocks")
     assert prof.walker == "blocks" and x.grad is None
 
 
@@ -310,24 +314,16 @@ def test_twin_blocks_are_timed_once_and_measured_each() -> None:
     """NOTE [Twin blocks are timed once] in measure/blocks.py: blocks of one class, with the
     same parameter and input shapes, share the first one's times; the others are timed."""
 
-    class Stack(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            widths = [(16, 16), (16, 16), (16, 16), (16, 32), (32, 32)]
-            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in widths)
-            # the same parameters and input as layer 4, other modules (timm: Identity or DropPath)
-            self.layers.append(nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Identity()))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.layers:
-                x = layer(x)
-            return x
+    widths = [(16, 16), (16, 16), (16, 16), (16, 32), (32, 32)]
+    layers: list[nn.Module] = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in widths]
+    # the same parameters and input as layer 4, other modules (timm: Identity or DropPath)
+    layers.append(nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Identity()))
 
     import autockpt.measure.profiling as profiling
 
     with mock.patch.object(profiling, "stage_times", wraps=profiling.stage_times) as timed:
         # an input requiring gradients, as the later blocks' do: layer 0 is a twin of 1 and 2
-        prof = autockpt.profile(Stack(), (torch.randn(8, 16, requires_grad=True),), mode="blocks")
+        prof = autockpt.profile(Layers(layers), (torch.randn(8, 16, requires_grad=True),), mode="blocks")
     assert timed.call_count == 4  # layers 0 (for 1 and 2 too), 3, 4 and 5
     blocks = [c for c, i in zip(prof.costs, prof.stage_of or ()) if i is not None]
     assert len(blocks) == 6

@@ -322,7 +322,7 @@ class _SegmentCall:
             skip = {id(rt.buffers[i][0]._buffers.get(rt.buffers[i][1])) for i in replayed}
             guarded = [t for t in guarded if id(t) not in skip]
         self.guarded = guarded
-        self.versions = [t._version for t in guarded]
+        self.versions = list(map(_VERSION, guarded))
         self.modes = list(map(_TRAINING, rt.modules))
         self.hooks = hook_state(rt.hooked, rt.hook_memo)
 
