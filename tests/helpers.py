@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
+import torch.utils.checkpoint as tuc
 from torch import nn
 
 import autockpt
+from autockpt.execution import runtime
 
 
 def twin(model: nn.Module, segments: Any = "sqrt", **kwargs: Any) -> tuple[nn.Module, nn.Module]:
@@ -66,3 +70,31 @@ def assert_same_step(model: nn.Module, x: Any, segments: Any = "sqrt", steps: in
         if ra.requires_grad:
             assert torch.equal(ra.grad, rb.grad)
     assert_same_state(ref, ck)
+
+
+class CheckpointCalls:
+    """Spies on both ways a segment is checkpointed: torch's ``checkpoint`` and autockpt's
+    lean one (NOTE [Lean checkpoint] in autockpt/execution/lean_checkpoint.py)."""
+
+    def __init__(self, torch_spy: mock.MagicMock, lean_spy: mock.MagicMock) -> None:
+        self.torch, self.lean = torch_spy, lean_spy
+
+    @property
+    def call_count(self) -> int:
+        return int(self.torch.call_count + self.lean.call_count)
+
+    def tensor_args(self) -> list[tuple[torch.Tensor, ...]]:
+        """The tensors each call was handed (torch's calls, then the lean ones)."""
+        calls = [call.args[1:] for call in self.torch.call_args_list]
+        calls += [tuple(call.args[1]) for call in self.lean.call_args_list]
+        return [tuple(a for a in args if isinstance(a, torch.Tensor)) for args in calls]
+
+
+@contextlib.contextmanager
+def count_checkpoint_calls() -> Iterator[CheckpointCalls]:
+    """Counts checkpointed segment calls, whichever way each one is checkpointed."""
+    with (
+        mock.patch.object(tuc, "checkpoint", wraps=tuc.checkpoint) as torch_spy,
+        mock.patch.object(runtime, "lean_checkpoint", wraps=runtime.lean_checkpoint) as lean_spy,
+    ):
+        yield CheckpointCalls(torch_spy, lean_spy)

@@ -95,6 +95,7 @@ from autockpt.errors import MutationError
 from autockpt.execution.checkpoint_args import device_hints, may_use_rng, rng_free_modules
 from autockpt.execution.debug import OpRecorder, output_metadata, run_stage, stage_mismatch
 from autockpt.execution.hooks import HookMemo, HookState, hook_error, hook_state, hooked_modules
+from autockpt.execution.lean_checkpoint import lean_applies, lean_checkpoint
 from autockpt.execution.policies import OpPolicy, SelectiveRecompute
 from autockpt.plan import Segment
 from autockpt.sandbox import recomputing
@@ -209,6 +210,17 @@ def checkpoint_segment(rt: SegmentRuntime, x: Any) -> Any:
             functools.partial(compiled_body, rt, spec), *leaves, use_reentrant=False
         )
     hints, others = device_hints(x)
+    device_type = hints[0].device.type if hints else "cpu"
+    if (
+        rt.selective is None
+        and not rt.children
+        and lean_applies(device_type)
+        and all(t.device.type == device_type for t in hints)
+    ):  # NOTE [Lean checkpoint] in execution/lean_checkpoint.py; it keeps no input versions of its own
+        call = _SegmentCall(rt, x, (*hints, *others))
+        return lean_checkpoint(
+            call, hints, device_type=device_type, preserve_rng_state=may_use_rng(rt.rng_free)
+        )
     return torch.utils.checkpoint.checkpoint(
         _SegmentCall(rt, x, others),
         *hints,

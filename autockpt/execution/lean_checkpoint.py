@@ -1,0 +1,247 @@
+"""A lean non-reentrant checkpoint for the plain eager case (NOTE [Lean checkpoint]).
+
+NOTE [Lean checkpoint]
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` runs about twenty Python
+    calls for each tensor a segment saves (a holder and its weak reference, a metadata dict
+    under ``no_grad`` for its determinism check, a handle and a weak-keyed dict entry per
+    graph task, internal asserts) and a few dozen per call (device inference over a pytree,
+    autocast, device-context, fx and dynamo state captured for the replay). A small
+    transformer layer saves ~40 tensors: ~1,000 calls a layer-step, which was the whole
+    difference between ``auto_checkpoint`` and HF's ``gradient_checkpointing_enable`` (both
+    on torch's checkpoint) on tiny configs.
+
+    This module keeps the same contract with saved-tensor hooks of its own, for the case
+    that is nearly every eager training step (:func:`lean_applies`): grad enabled, no
+    saved-tensor hooks active (the user's ``save_on_cpu``, another checkpoint's), no
+    torch-function mode (``with torch.device(...)``), no proxy or fx tracing, inputs on one
+    CPU or CUDA device type, torch's global ``set_checkpoint_early_stop``/debug switches
+    unset. Everything else (and op policies, nested segments, compiling) goes to torch's
+    ``checkpoint``, so composition with those stays torch's.
+
+    What it keeps of torch's semantics:
+
+    - *Replay on first unpack*, once per backward: the forward's saved tensors become
+      holders; the first unpack replays the function under a pack hook that fills every
+      live holder with its recomputed tensor, detached (the replay's own graph must not
+      hold its outputs: a node that saves its output would hold itself through
+      ``grad_fn``, a cycle only the garbage collector frees), and each unpack takes its
+      tensor out, so it is freed as soon as autograd is done with it.
+    - *Early stop*: the replay stops once it has saved as many tensors as the forward did.
+    - *Repeated and partial backwards* (``retain_graph=True``, ``autograd.grad`` on part of
+      the graph): a holder whose tensor was taken is refilled by a new replay, so a second
+      backward recomputes again, as torch's does per graph task. Holders whose part of the
+      graph was freed before backward are skipped, as torch's weak holders are.
+    - *RNG and autocast*: when the caller says the function may draw random numbers, the
+      CPU RNG state (and that of the CUDA devices of the inputs) is stashed in the forward
+      and restored in a forked RNG for the replay; the replay runs under the forward's
+      autocast state for the device type and the CPU, whatever the backward's is.
+    - *Errors*: a replay that saves fewer tensors, or one of another shape, dtype or device
+      than the forward did (torch's default determinism check), raises torch's
+      ``CheckpointError`` with the counts or the position.
+
+    Input tensors modified in place before the replay are the caller's to check (torch's
+    checkpoint refuses them through its saved inputs): the segment call keeps their
+    versions (NOTE [Segment inputs] in ``execution/runtime.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils.checkpoint import CheckpointError
+
+__all__ = ["lean_applies", "lean_checkpoint"]
+
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _hooks_reader() -> Callable[[bool], Any] | None:
+    """torch's reader of the innermost active saved-tensor hooks, where this torch has it in
+    the form used here (not before 2.8); without it the lean path never applies."""
+    read = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        read(False) if read is not None else None
+    except TypeError:
+        return None
+    return read
+
+
+_TOP_HOOKS = _hooks_reader()
+# the flag torch's checkpoint reads; the public is_fx_tracing() logs a warning on every call
+_FX_TRACING: Callable[[], bool] = getattr(torch.fx._symbolic_trace, "_get_is_fx_tracing", lambda: False)
+
+
+def lean_applies(device_type: str) -> bool:
+    """Whether a checkpoint whose inputs are on ``device_type`` may take the lean path now."""
+    return (
+        device_type in _DEVICE_TYPES
+        and _TOP_HOOKS is not None
+        and torch.is_grad_enabled()
+        and _TOP_HOOKS(False) is None
+        and torch._C._len_torch_function_stack() == 0
+        and torch._C._get_dispatch_mode(_PROXY) is None
+        and not _FX_TRACING()
+        and torch_checkpoint._enable_checkpoint_early_stop is None
+        and torch_checkpoint._checkpoint_debug_enabled is None
+    )
+
+
+class _Holder:
+    """What a saved tensor packs to: filled by a replay, emptied by its unpack."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+
+
+class _EarlyStopError(Exception):
+    """Raised by the replay's pack hook once every saved tensor is recomputed (early stop)."""
+
+
+_Autocast = tuple[bool, torch.dtype, bool, torch.dtype, bool]
+
+
+def _autocast_state(device_type: str) -> _Autocast:
+    """Autocast on/off and dtype for ``device_type`` and the CPU, and the cache switch."""
+    return (
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_cache_enabled(),
+    )
+
+
+def _autocast_on(device_type: str) -> bool:
+    return torch.is_autocast_enabled(device_type) or torch.is_autocast_enabled("cpu")
+
+
+class _Frame:
+    """One checkpointed call: its function and inputs, what its forward saved, and the
+    state its replay restores."""
+
+    __slots__ = (
+        "args",
+        "autocast",
+        "count",
+        "cpu_rng",
+        "device_rng",
+        "device_type",
+        "devices",
+        "fn",
+        "holders",
+        "meta",
+    )
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], device_type: str) -> None:
+        self.fn = fn
+        self.args = args
+        self.device_type = device_type
+        self.holders: list[weakref.ReferenceType[_Holder]] = []
+        self.meta: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+        self.count = 0  # tensors saved so far by the running replay
+        self.cpu_rng: torch.Tensor | None = None
+        self.devices: list[int] = []
+        self.device_rng: list[torch.Tensor] = []
+        self.autocast: _Autocast | None = _autocast_state(device_type) if _autocast_on(device_type) else None
+
+    def pack(self, t: torch.Tensor) -> _Holder:
+        holder = _Holder()
+        self.holders.append(weakref.ref(holder))
+        self.meta.append((t.shape, t.dtype, t.device))
+        return holder
+
+    def unpack(self, holder: _Holder) -> torch.Tensor:
+        t = holder.tensor
+        if t is None:
+            self.replay()
+            t = holder.tensor
+            if t is None:
+                raise CheckpointError(
+                    "torch.utils.checkpoint: A different number of tensors was saved during the original "
+                    f"forward and recomputation.\nNumber of tensors saved during forward: "
+                    f"{len(self.holders)}\nNumber of tensors saved during recomputation: {self.count}."
+                )
+        holder.tensor = None
+        return t
+
+    def repack(self, t: torch.Tensor) -> torch.Tensor:
+        i = self.count
+        self.count = i + 1
+        if i >= len(self.holders):  # a replay that saves more cannot happen with early stop, kept for safety
+            raise CheckpointError(
+                "torch.utils.checkpoint: trying to save more tensors during recomputation than during the "
+                "original forward pass."
+            )
+        if t.requires_grad:
+            t = t.detach()
+        holder = self.holders[i]()
+        if holder is not None:
+            if (t.shape, t.dtype, t.device) != self.meta[i]:
+                raise CheckpointError(
+                    "torch.utils.checkpoint: Recomputed values for the following tensors have different "
+                    f"metadata than during the forward pass.\ntensor at position {i}:\nsaved metadata: "
+                    f"{self.meta[i]}\nrecomputed metadata: {(t.shape, t.dtype, t.device)}"
+                )
+            holder.tensor = t
+        if i + 1 == len(self.holders):
+            raise _EarlyStopError
+        return t
+
+    def replay(self) -> None:
+        self.count = 0
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.repack, _identity), torch.enable_grad():
+                if self.cpu_rng is None and self.autocast is None and not _autocast_on(self.device_type):
+                    _run_without_dynamo(self.fn, *self.args)
+                else:
+                    self._replay_in_state()
+        except _EarlyStopError:
+            pass
+
+    def _replay_in_state(self) -> None:
+        """The replay under the forward's RNG and autocast state."""
+        on, dtype, cpu_on, cpu_dtype, cache = self.autocast or _autocast_state(self.device_type)
+        if self.autocast is None:
+            on = cpu_on = False
+        with (
+            torch.random.fork_rng(devices=self.devices, enabled=self.cpu_rng is not None, device_type="cuda"),
+            torch.autocast(self.device_type, enabled=on, dtype=dtype, cache_enabled=cache),
+            torch.autocast("cpu", enabled=cpu_on, dtype=cpu_dtype, cache_enabled=cache),
+        ):
+            if self.cpu_rng is not None:
+                torch.set_rng_state(self.cpu_rng)
+                for device, state in zip(self.devices, self.device_rng):
+                    torch.cuda.set_rng_state(state, device)
+            _run_without_dynamo(self.fn, *self.args)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@torch._disable_dynamo  # type: ignore[attr-defined]  # the public torch.compiler.disable imports dynamo eagerly
+def _run_without_dynamo(fn: Callable[..., Any], *args: Any) -> Any:
+    """The replay, never traced by compiled autograd (as torch's own replay)."""
+    return fn(*args)
+
+
+def lean_checkpoint(
+    fn: Callable[..., Any], args: Sequence[torch.Tensor], *, device_type: str, preserve_rng_state: bool
+) -> Any:
+    """``checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=...)`` where
+    :func:`lean_applies` admits it; ``args`` are tensors on ``device_type``."""
+    frame = _Frame(fn, tuple(args), device_type)
+    if preserve_rng_state:
+        frame.cpu_rng = torch.get_rng_state()
+        if device_type == "cuda" and torch.cuda.is_initialized():
+            frame.devices = sorted({t.get_device() for t in args})
+            frame.device_rng = [torch.cuda.get_rng_state(d) for d in frame.devices]
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+        return fn(*args)
