@@ -124,14 +124,22 @@ class GraphProgram:
             self.last_use[n.name] = max(users, default=-1) + 1 if users else 0
         self.index = index
         self.steps = [compile_node(n, i, self.last_use) for i, n in enumerate(self.nodes)]
-        called = {id(self.model.get_submodule(str(n.target))) for n in self.nodes if n.op == "call_module"}
+        # every module by every path it has, once: get_submodule per node was ~5% of a small
+        # timm model's walk (a dict here; still read by path, as fx names modules)
+        self.modules_by_path = dict(self.model.named_modules(remove_duplicate=False))
+        called = {id(self.module_at(str(n.target))) for n in self.nodes if n.op == "call_module"}
         leaves_inside = {id(m) for n in self.nodes if n.op == "call_module"
-                         for m in self.model.get_submodule(str(n.target)).modules()}  # fmt: skip
+                         for m in self.module_at(str(n.target)).modules()}  # fmt: skip
         self.traced_through = tuple(
             m
             for m in self.model.modules()
             if m is not self.model and id(m) not in called and id(m) not in leaves_inside
         )
+
+    def module_at(self, path: str) -> nn.Module:
+        """The module at qualified name ``path`` (``""``: the model)."""
+        found = self.modules_by_path.get(path)
+        return found if found is not None else self.model.get_submodule(path)
 
     def hooks_added(self) -> bool:
         """Whether a module that tracing went through has gained hooks since (re-trace then)."""
@@ -226,7 +234,7 @@ class GraphProgram:
         valid = set(cuts)
         out = []
         for p in cuts:
-            target = mutated_arg(self.nodes[p], self.model) if 0 < p < len(self.nodes) else None
+            target = mutated_arg(self.nodes[p], self.module_at) if 0 < p < len(self.nodes) else None
             if target is not None and self.index.get(target, p) < p and p + 1 in valid:
                 continue
             out.append(p)
@@ -235,7 +243,7 @@ class GraphProgram:
     def mutates_before(self, start: int, stop: int) -> bool:
         """Whether a node in ``[start, stop)`` writes in place into a value defined before ``start``."""
         for node in self.nodes[start:stop]:
-            target = mutated_arg(node, self.model)
+            target = mutated_arg(node, self.module_at)
             if target is not None and (target.op == "placeholder" or self.index.get(target, start) < start):
                 return True
         return False
@@ -245,7 +253,7 @@ class GraphProgram:
         seen: dict[int, nn.Module] = {}
         for node in self.nodes[start:stop]:
             if node.op == "call_module":
-                mod = self.model.get_submodule(str(node.target))
+                mod = self.module_at(str(node.target))
                 seen.setdefault(id(mod), mod)
         return tuple(seen.values())
 
@@ -255,7 +263,7 @@ class GraphProgram:
         seen: dict[int, nn.Module] = {}
         for node in self.nodes[start:stop]:
             if node.op == "get_attr":
-                owner = self.model.get_submodule(str(node.target).rpartition(".")[0])
+                owner = self.module_at(str(node.target).rpartition(".")[0])
                 seen.setdefault(id(owner), owner)
         return tuple(seen.values())
 
@@ -274,7 +282,7 @@ class GraphProgram:
     def piece_name(self, start: int, stop: int) -> str:
         """The deepest module path holding the piece's nodes; an in-place write moved to the
         end of the piece (:meth:`_past_in_place`) belongs to the next block and is left out."""
-        while stop - start > 1 and mutated_arg(self.nodes[stop - 1], self.model) is not None:
+        while stop - start > 1 and mutated_arg(self.nodes[stop - 1], self.module_at) is not None:
             stop -= 1
         paths = [module_path(n) for n in self.nodes[start:stop]]
         named = [p for p in paths if p]
@@ -295,7 +303,7 @@ class GraphProgram:
         kinds: list[str] = []
         for node in self.nodes[start:stop]:
             if node.op == "call_module":
-                kinds.append(type(self.model.get_submodule(str(node.target))).__name__)
+                kinds.append(type(self.module_at(str(node.target))).__name__)
         if not kinds:
             return "ops"
         if len(kinds) > 3:

@@ -8,6 +8,7 @@ tracer that records ``no_grad`` regions and keeps modules with hooks whole.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,9 +61,10 @@ def module_path(node: fx.Node) -> str:
     return str(path).split("@")[0]
 
 
-def mutated_arg(node: fx.Node, model: nn.Module) -> fx.Node | None:
+def mutated_arg(node: fx.Node, module_at: Callable[[str], nn.Module]) -> fx.Node | None:
     """The argument ``node`` writes into in place (a trailing-underscore method, ``inplace=True``,
-    ``+=``, a module with ``inplace=True``), or ``None``."""
+    ``+=``, a module with ``inplace=True``), or ``None``; ``module_at`` finds a module by its
+    qualified name."""
     first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     if first is None:
         return None
@@ -74,7 +76,7 @@ def mutated_arg(node: fx.Node, model: nn.Module) -> fx.Node | None:
         or _in_place_name(getattr(node.target, "__name__", ""))
     ):
         return first
-    if node.op == "call_module" and getattr(model.get_submodule(str(node.target)), "inplace", False) is True:
+    if node.op == "call_module" and getattr(module_at(str(node.target)), "inplace", False) is True:
         return first
     return None
 
