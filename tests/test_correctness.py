@@ -16,6 +16,7 @@ from helpers import assert_same_state, assert_same_step, count_checkpoint_calls,
 from torch import nn
 
 import autockpt
+from autockpt.execution.lean_checkpoint import LEAN_AVAILABLE
 
 D = torch.float64
 
@@ -31,7 +32,8 @@ def test_every_checkpoint_call_is_non_reentrant_and_nothing_warns() -> None:  # 
         step(model, torch.randn(4, 6, dtype=D))
         with torch.autograd.graph.save_on_cpu():  # saved-tensor hooks: torch's checkpoint
             step(model, torch.randn(4, 6, dtype=D))
-    assert spy.lean.call_count == 2 and spy.torch.call_count == 2
+    # the lean checkpoint for the plain step where this torch allows it (NOTE [Lean checkpoint])
+    assert (spy.lean.call_count, spy.torch.call_count) == ((2, 2) if LEAN_AVAILABLE else (0, 4))
     assert all(call.kwargs["use_reentrant"] is False for call in spy.torch.call_args_list)
 
 

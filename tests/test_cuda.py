@@ -4,6 +4,8 @@ everywhere against a fake allocator. ``.ci/gpu`` runs this file and the CUDA ben
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -190,3 +192,30 @@ def test_cuda_windows_nest_and_leave_the_callers_peak_alone() -> None:
     assert (inner.peak_bytes, outer.peak_bytes) == (2 * MiB, 6 * MiB)
     assert torch.cuda.max_memory_allocated() == users_peak
     assert not torch._C._cuda_isHistoryEnabled()
+
+
+class ToGpu(nn.Module):
+    """A segment handed CPU tensors that computes on the GPU (offloaded inputs, accelerate's hooks)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.cuda()
+
+
+@gpu
+@pytest.mark.parametrize("autocast_in", ["forward", "backward"])
+def test_cpu_inputs_replay_under_the_forwards_cuda_autocast(autocast_in: str) -> None:
+    """The lean checkpoint records CUDA autocast whatever the inputs' device, as torch's does
+    (NOTE [Lean checkpoint]; found in review): its replay must save what the forward saved."""
+    torch.manual_seed(0)
+    body = nn.Sequential(ToGpu(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU()).cuda()
+    ref = copy.deepcopy(body)
+    model = autockpt.auto_checkpoint(body, 2)
+    x = torch.randn(8, 64)
+    grads = []
+    for m in (ref, model):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast_in == "forward"):
+            loss = m(x).float().square().mean()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast_in == "backward"):
+            loss.backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -16,9 +16,12 @@ from helpers import count_checkpoint_calls, step
 from torch import nn
 
 import autockpt
-from autockpt.execution.lean_checkpoint import lean_applies, lean_checkpoint
+from autockpt.execution.lean_checkpoint import LEAN_AVAILABLE, lean_applies, lean_checkpoint
 
 D = torch.float64
+needs_lean = pytest.mark.skipif(
+    not LEAN_AVAILABLE, reason="this torch cannot tell whether saved-tensor hooks are active"
+)
 Run = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]
 
 
@@ -88,10 +91,10 @@ def autocast_backward_only(run: Run) -> list[torch.Tensor]:
 
 def part_of_the_graph_freed(run: Run) -> list[torch.Tensor]:
     m, x = block(), torch.randn(4, 6, dtype=D, requires_grad=True)
-    both = run(lambda t: torch.cat([m(t), torch.exp(t)], 1), x)  # exp saves its output
-    kept = both[:, :6].sigmoid()
-    del both  # the cat and exp nodes die with it
-    kept.sum().backward()
+    kept = run(lambda t: (torch.exp(t), m(t)), x)[1]  # type: ignore[arg-type,index,return-value]
+    # the exp output died with the tuple: its node, and the holder of the tensor it saved
+    # (the first one saved), are freed before backward
+    kept.sigmoid().sum().backward()
     return [x.grad, *(p.grad for p in m.parameters())]  # type: ignore[list-item]
 
 
@@ -163,6 +166,42 @@ def test_a_replay_that_saves_other_tensors_raises_checkpoint_error() -> None:
         lean(reshaped, x).backward()
 
 
+@needs_lean
+def test_a_tensor_left_by_another_backward_is_recomputed() -> None:
+    """A partial backward leaves the holders it did not reach filled; the next backward
+    replays again rather than use them, so the runtime's mutation guard runs before any
+    use (an optimizer step may have changed the weights in between: found in review)."""
+    replays = []
+    shared, head1, head2 = (nn.Linear(6, n).to(D) for n in (6, 1, 1))
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        replays.append(1)
+        h = torch.tanh(shared(x))
+        return head1(h), head2(h)
+
+    x = torch.randn(4, 6, dtype=D)
+    out1, out2 = lean(fn, x)  # type: ignore[arg-type,misc]
+    torch.autograd.grad(out1.sum(), [head1.weight], retain_graph=True)  # head2's holders stay filled
+    out2.sum().backward()
+    assert len(replays) == 3  # the forward and one replay per backward
+
+
+def test_errors_are_raised_after_the_replay_not_inside_the_function() -> None:
+    calls = []
+
+    def swallowing(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        try:
+            return torch.tanh(x if len(calls) == 1 else x[:2]).sum()
+        except Exception:  # a model's own broad except must not hide a wrong recompute
+            return x.sum()
+
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    with pytest.raises(tuc.CheckpointError, match="different metadata"):
+        lean(swallowing, x).backward()
+
+
+@needs_lean
 def test_an_input_changed_in_place_before_backward_raises() -> None:
     """torch's checkpoint refused it through its saved inputs; the lean one keeps no saved
     inputs, so the segment call checks their versions (NOTE [Segment inputs])."""
@@ -180,6 +219,7 @@ def fallbacks() -> Iterator[tuple[str, object]]:
     yield "early stop switched off", tuc.set_checkpoint_early_stop(False)
 
 
+@needs_lean
 @pytest.mark.parametrize("name", [name for name, _ in fallbacks()])
 def test_anything_unusual_goes_to_torchs_checkpoint(name: str) -> None:
     context = dict(fallbacks())[name]

@@ -14,30 +14,41 @@ NOTE [Lean checkpoint]
     that is nearly every eager training step (:func:`lean_applies`): grad enabled, no
     saved-tensor hooks active (the user's ``save_on_cpu``, another checkpoint's), no
     torch-function mode (``with torch.device(...)``), no proxy or fx tracing, inputs on one
-    CPU or CUDA device type, torch's global ``set_checkpoint_early_stop``/debug switches
-    unset. Everything else (and op policies, nested segments, compiling) goes to torch's
-    ``checkpoint``, so composition with those stays torch's.
+    CPU or CUDA device, torch's global ``set_checkpoint_early_stop``/debug switches unset,
+    and a torch that can tell whether saved-tensor hooks are active (2.8 and later:
+    :data:`LEAN_AVAILABLE`). Everything else (and op policies, nested segments, compiling)
+    goes to torch's ``checkpoint``, so composition with those stays torch's.
 
     What it keeps of torch's semantics:
 
-    - *Replay on first unpack*, once per backward: the forward's saved tensors become
-      holders; the first unpack replays the function under a pack hook that fills every
-      live holder with its recomputed tensor, detached (the replay's own graph must not
-      hold its outputs: a node that saves its output would hold itself through
+    - *Replay on first unpack*, once per backward (graph task): the forward's saved tensors
+      become holders; the first unpack replays the function under a pack hook that fills
+      every live holder with its recomputed tensor, detached (the replay's own graph must
+      not hold its outputs: a node that saves its output would hold itself through
       ``grad_fn``, a cycle only the garbage collector frees), and each unpack takes its
       tensor out, so it is freed as soon as autograd is done with it.
     - *Early stop*: the replay stops once it has saved as many tensors as the forward did.
     - *Repeated and partial backwards* (``retain_graph=True``, ``autograd.grad`` on part of
-      the graph): a holder whose tensor was taken is refilled by a new replay, so a second
-      backward recomputes again, as torch's does per graph task. Holders whose part of the
-      graph was freed before backward are skipped, as torch's weak holders are.
+      the graph): a holder is only used in the backward whose replay filled it; an empty
+      one, or one filled in another backward, replays again, as torch's checkpoint does per
+      graph task. Otherwise a tensor left over by a partial backward would be used after an
+      optimizer step without the replay, whose mutation guard would have refused it (found
+      in review). Holders whose part of the graph was freed before backward are skipped,
+      as torch's weak holders are. The replay holds a lock, so device threads of one
+      backward never replay the same call at once.
     - *RNG and autocast*: when the caller says the function may draw random numbers, the
-      CPU RNG state (and that of the CUDA devices of the inputs) is stashed in the forward
+      CPU RNG state (and that of the CUDA device of the inputs) is stashed in the forward
       and restored in a forked RNG for the replay; the replay runs under the forward's
-      autocast state for the device type and the CPU, whatever the backward's is.
+      autocast state for CUDA and the CPU, whatever the inputs' device and whatever the
+      backward's state (a segment handed CPU tensors may run on the GPU: found in review).
     - *Errors*: a replay that saves fewer tensors, or one of another shape, dtype or device
       than the forward did (torch's default determinism check), raises torch's
-      ``CheckpointError`` with the counts or the position.
+      ``CheckpointError`` with the counts or the position, after the replay has run, so
+      the function's own ``try`` cannot catch it.
+
+    Not kept: torch raises when one saved tensor is unpacked twice in one backward (a
+    custom Function reading ``ctx.saved_tensors`` twice); the lean one replays again.
+    Segments given tensors on several devices go to torch's checkpoint.
 
     Input tensors modified in place before the replay are the caller's to check (torch's
     checkpoint refuses them through its saved inputs): the segment call keeps their
@@ -46,6 +57,7 @@ NOTE [Lean checkpoint]
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,7 +66,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointError
 
-__all__ = ["lean_applies", "lean_checkpoint"]
+__all__ = ["LEAN_AVAILABLE", "lean_applies", "lean_checkpoint"]
 
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -72,6 +84,8 @@ def _hooks_reader() -> Callable[[bool], Any] | None:
 
 
 _TOP_HOOKS = _hooks_reader()
+LEAN_AVAILABLE = _TOP_HOOKS is not None  # whether this torch can take the lean path at all
+_graph_task: Callable[[], int] = torch._C._current_graph_task_id
 # the flag torch's checkpoint reads; the public is_fx_tracing() logs a warning on every call
 _FX_TRACING: Callable[[], bool] = getattr(torch.fx._symbolic_trace, "_get_is_fx_tracing", lambda: False)
 
@@ -107,19 +121,21 @@ class _EarlyStopError(Exception):
 _Autocast = tuple[bool, torch.dtype, bool, torch.dtype, bool]
 
 
-def _autocast_state(device_type: str) -> _Autocast:
-    """Autocast on/off and dtype for ``device_type`` and the CPU, and the cache switch."""
+def _autocast_state() -> _Autocast:
+    """Autocast on/off and dtype for CUDA and the CPU, and the cache switch: both device
+    types whatever the inputs' (a segment given CPU tensors may move them to the GPU), as
+    torch's checkpoint records them."""
     return (
-        torch.is_autocast_enabled(device_type),
-        torch.get_autocast_dtype(device_type),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cuda"),
         torch.is_autocast_enabled("cpu"),
         torch.get_autocast_dtype("cpu"),
         torch.is_autocast_cache_enabled(),
     )
 
 
-def _autocast_on(device_type: str) -> bool:
-    return torch.is_autocast_enabled(device_type) or torch.is_autocast_enabled("cpu")
+def _autocast_on() -> bool:
+    return torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
 
 
 class _Frame:
@@ -132,24 +148,28 @@ class _Frame:
         "count",
         "cpu_rng",
         "device_rng",
-        "device_type",
         "devices",
         "fn",
         "holders",
+        "lock",
         "meta",
+        "mismatch",
+        "task",
     )
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], device_type: str) -> None:
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         self.fn = fn
         self.args = args
-        self.device_type = device_type
         self.holders: list[weakref.ReferenceType[_Holder]] = []
         self.meta: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.count = 0  # tensors saved so far by the running replay
         self.cpu_rng: torch.Tensor | None = None
         self.devices: list[int] = []
         self.device_rng: list[torch.Tensor] = []
-        self.autocast: _Autocast | None = _autocast_state(device_type) if _autocast_on(device_type) else None
+        self.autocast: _Autocast | None = _autocast_state() if _autocast_on() else None
+        self.task = -2  # the graph task of the last replay (-1: unpacked outside a backward)
+        self.mismatch: str | None = None  # the first saved tensor the last replay got wrong
+        self.lock = threading.RLock()  # device threads of one backward may unpack at once
 
     def pack(self, t: torch.Tensor) -> _Holder:
         holder = _Holder()
@@ -159,9 +179,12 @@ class _Frame:
 
     def unpack(self, holder: _Holder) -> torch.Tensor:
         t = holder.tensor
-        if t is None:
-            self.replay()
-            t = holder.tensor
+        if t is None or self.task != _graph_task():  # a tensor left by another backward is not reused
+            with self.lock:
+                t = holder.tensor
+                if t is None or self.task != _graph_task():
+                    self.replay()
+                    t = holder.tensor
             if t is None:
                 raise CheckpointError(
                     "torch.utils.checkpoint: A different number of tensors was saved during the original "
@@ -183,11 +206,10 @@ class _Frame:
             t = t.detach()
         holder = self.holders[i]()
         if holder is not None:
-            if (t.shape, t.dtype, t.device) != self.meta[i]:
-                raise CheckpointError(
-                    "torch.utils.checkpoint: Recomputed values for the following tensors have different "
-                    f"metadata than during the forward pass.\ntensor at position {i}:\nsaved metadata: "
-                    f"{self.meta[i]}\nrecomputed metadata: {(t.shape, t.dtype, t.device)}"
+            if self.mismatch is None and (t.shape, t.dtype, t.device) != self.meta[i]:
+                self.mismatch = (
+                    f"tensor at position {i}:\nsaved metadata: {self.meta[i]}\n"
+                    f"recomputed metadata: {(t.shape, t.dtype, t.device)}"
                 )
             holder.tensor = t
         if i + 1 == len(self.holders):
@@ -195,24 +217,33 @@ class _Frame:
         return t
 
     def replay(self) -> None:
+        """Run the function again, filling every live holder; errors after it has run, so the
+        function's own code cannot catch them."""
         self.count = 0
+        self.mismatch = None
+        self.task = _graph_task()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.repack, _identity), torch.enable_grad():
-                if self.cpu_rng is None and self.autocast is None and not _autocast_on(self.device_type):
+                if self.cpu_rng is None and self.autocast is None and not _autocast_on():
                     _run_without_dynamo(self.fn, *self.args)
                 else:
                     self._replay_in_state()
         except _EarlyStopError:
             pass
+        if self.mismatch is not None:
+            raise CheckpointError(
+                "torch.utils.checkpoint: Recomputed values for the following tensors have different "
+                f"metadata than during the forward pass.\n{self.mismatch}"
+            )
 
     def _replay_in_state(self) -> None:
         """The replay under the forward's RNG and autocast state."""
-        on, dtype, cpu_on, cpu_dtype, cache = self.autocast or _autocast_state(self.device_type)
+        on, dtype, cpu_on, cpu_dtype, cache = self.autocast or _autocast_state()
         if self.autocast is None:
             on = cpu_on = False
         with (
             torch.random.fork_rng(devices=self.devices, enabled=self.cpu_rng is not None, device_type="cuda"),
-            torch.autocast(self.device_type, enabled=on, dtype=dtype, cache_enabled=cache),
+            torch.autocast("cuda", enabled=on, dtype=dtype, cache_enabled=cache),
             torch.autocast("cpu", enabled=cpu_on, dtype=cpu_dtype, cache_enabled=cache),
         ):
             if self.cpu_rng is not None:
@@ -236,8 +267,8 @@ def lean_checkpoint(
     fn: Callable[..., Any], args: Sequence[torch.Tensor], *, device_type: str, preserve_rng_state: bool
 ) -> Any:
     """``checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=...)`` where
-    :func:`lean_applies` admits it; ``args`` are tensors on ``device_type``."""
-    frame = _Frame(fn, tuple(args), device_type)
+    :func:`lean_applies` admits it; ``args`` are tensors on one device, of ``device_type``."""
+    frame = _Frame(fn, tuple(args))
     if preserve_rng_state:
         frame.cpu_rng = torch.get_rng_state()
         if device_type == "cuda" and torch.cuda.is_initialized():

@@ -116,6 +116,7 @@ BufferSlot = tuple[nn.Module, str]
 # rather than looped in Python: on small layers every microsecond of a call shows.
 _VERSION = operator.attrgetter("_version")
 _TRAINING = operator.attrgetter("training")
+_CPU = torch.device("cpu")
 
 
 def segment_buffers(stages: Sequence[Stage]) -> tuple[BufferSlot, ...]:
@@ -210,12 +211,13 @@ def checkpoint_segment(rt: SegmentRuntime, x: Any) -> Any:
             functools.partial(compiled_body, rt, spec), *leaves, use_reentrant=False
         )
     hints, others = device_hints(x)
-    device_type = hints[0].device.type if hints else "cpu"
+    device = hints[0].device if hints else _CPU
+    device_type = device.type
     if (
         rt.selective is None
         and not rt.children
         and lean_applies(device_type)
-        and all(t.device.type == device_type for t in hints)
+        and all(t.device == device for t in hints)
     ):  # NOTE [Lean checkpoint] in execution/lean_checkpoint.py; it keeps no input versions of its own
         call = _SegmentCall(rt, x, (*hints, *others))
         return lean_checkpoint(
