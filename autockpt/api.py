@@ -48,9 +48,11 @@ def auto_checkpoint(
 ) -> nn.Module:
     """Checkpoint ``model`` in place so training keeps fewer activations alive.
 
-    The model's forward is replaced by one that runs checkpointed segments through
-    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``; gradients, dropout
-    masks and buffer updates are those of the unwrapped model. Calling it again replaces
+    The model's forward is replaced by one that runs checkpointed segments through a
+    non-reentrant checkpoint (autockpt's own lean one in plain eager steps,
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` under ``torch.compile``,
+    op policies or saved-tensor hooks); gradients, dropout masks and buffer updates are
+    those of the unwrapped model. Calling it again replaces
     the plan. Under ``torch.no_grad()`` or ``inference_mode`` the original forward runs.
 
     Args:

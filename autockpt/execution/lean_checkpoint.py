@@ -48,7 +48,10 @@ NOTE [Lean checkpoint]
 
     Not kept: torch raises when one saved tensor is unpacked twice in one backward (a
     custom Function reading ``ctx.saved_tensors`` twice); the lean one replays again.
-    Segments given tensors on several devices go to torch's checkpoint.
+    Segments given tensors on several devices go to torch's checkpoint. Untested: compiled
+    autograd (the replay is dynamo-disabled, as torch's is, the hooks are not), and a
+    selective checkpoint of the model's own inside a lean segment, which torch 2.14 sees
+    under a user's saved-tensor hooks (it warns).
 
     Input tensors modified in place before the replay are the caller's to check (torch's
     checkpoint refuses them through its saved inputs): the segment call keeps their
