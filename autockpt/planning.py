@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -36,7 +35,8 @@ from autockpt.measure.losses import LossFn
 from autockpt.plan import Plan, Segment, StageFigures
 from autockpt.planners import Planner, PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import estimated_peak, uniform_plan
-from autockpt.tensors import arguments_key, as_args, signature
+from autockpt.retry_walks import keep_for_retry, take_kept
+from autockpt.tensors import as_args
 from autockpt.units import format_bytes
 from autockpt.walkers import Walked, walk
 from autockpt.walkers.graph import none_pattern
@@ -99,10 +99,10 @@ def prepare(
                 costs = dataclasses.replace(costs, keep_only=policy_masks(costs.profile, policy_fn))
         plan = build_plan(chain, "budget" if budget is not None else segments, where=where,
                           notes=walked.notes, budget=costs)  # fmt: skip
-    except PlanInfeasibleError:  # NOTE [A retry after an infeasible budget]
-        if walked.program is None:  # a trace is kept from nothing; it holds the model itself
-            key = _walk_key(model, example_inputs, example_kwargs, mode, saved=budget is None)
-            _RETRY[model] = (key, walked, dry, chain)
+    except PlanInfeasibleError as err:  # NOTE [A retry after an infeasible budget] in retry_walks.py
+        keep_for_retry(
+            err, model, walked, dry, chain, example_inputs, example_kwargs, mode, saved=budget is None
+        )
         raise
     if policy is not None and policy != plan.policy:
         plan = dataclasses.replace(plan, policy=policy)
@@ -124,11 +124,9 @@ def walk_and_dry_run(
     (NOTE [Dry run bytes] in ``measure/dry_run.py``)."""
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     has_inputs = example_inputs is not None or bool(example_kwargs)
-    kept = _RETRY.pop(model, None)
-    if kept is not None and has_inputs:  # NOTE [A retry after an infeasible budget]
-        key, walked, dry, chain = kept
-        if key == _walk_key(model, example_inputs, example_kwargs, mode, saved=saved):
-            return walked, dry, chain
+    kept = take_kept(model, example_inputs, example_kwargs, mode, saved=saved)  # retry_walks.py
+    if kept is not None and has_inputs:
+        return kept
     none_args = none_pattern(model, args, kwargs) if has_inputs else None  # trace for this call
     walked = walk(model, mode, where=where, none_args=none_args)
     dry = (
@@ -137,55 +135,6 @@ def walk_and_dry_run(
         else reused_dry_run(walked, previous)
     )
     return walked, dry, build_chain(walked.walker, walked.units, dry)
-
-
-# NOTE [A retry after an infeasible budget]
-#     A budget below the floor raises PlanInfeasibleError with the floor and the unwrapped
-#     peak, and the natural next call is the same one at a feasible budget. The profile is
-#     cached (measure/model_profile.py), but walking and dry-running again made that retry
-#     cost much of the first call. So the walk, dry run and chain of a call that ended
-#     infeasible are kept for the model's next call, used only if that call's walk would see
-#     the same things: walker choice, the same modules in the same places, their forwards
-#     and plain settings (train/eval mode, flags, rates), parameter and input shapes and the
-#     other arguments; any other call drops them. Only walks without a trace are kept (the
-#     sequential and block walkers, whose units call the model's own code): a kept fx trace
-#     holds the model (a weak key whose value keeps it alive: a leak) and bakes in control
-#     flow that an attribute the key cannot see (a config object's) may have changed since
-#     (both found in review); the graph walker's retry walks again.
-_RETRY: weakref.WeakKeyDictionary[nn.Module, tuple[Hashable, Walked, DryRun | None, Chain]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _walk_key(
-    model: nn.Module,
-    example_inputs: Sequence[Any] | None,
-    example_kwargs: dict[str, Any] | None,
-    mode: str | None,
-    *,
-    saved: bool,
-) -> Hashable:
-    """What a walk and dry run of ``model`` on these inputs depend on."""
-    args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
-    return (
-        mode,
-        saved,
-        tuple(kwargs),
-        arguments_key([list(args), kwargs]),
-        signature(list(model.parameters())),
-        tuple(
-            (name, id(m), id(m.__dict__.get("forward")), _settings(m)) for name, m in model.named_modules()
-        ),
-    )
-
-
-def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
-    """A module's plain settings (``training``, ``inplace``, ``p``, flags a forward reads)."""
-    return tuple(
-        (k, v)
-        for k, v in vars(module).items()
-        if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
-    )
 
 
 def _check_arguments(

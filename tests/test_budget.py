@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
 import math
+import types
 from unittest import mock
 
 import pytest
@@ -352,7 +354,7 @@ def test_infeasible_budget_through_the_api() -> None:
 
 
 def test_a_retry_after_an_infeasible_budget_walks_once_and_a_change_walks_again() -> None:
-    """NOTE [A retry after an infeasible budget] in planning.py."""
+    """NOTE [A retry after an infeasible budget] in retry_walks.py."""
     import autockpt.planning as planning
 
     x = torch.randn(8, WIDTH)
@@ -402,6 +404,47 @@ def test_an_infeasible_graph_walked_model_is_not_kept_alive() -> None:
     del model
     gc.collect()
     assert alive() is None
+
+
+class Configured(nn.Module):
+    """A graph-walked model whose control flow a config object decides (HF's way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = types.SimpleNamespace(residual=True)
+        self.a, self.b, self.c = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h)) + (h if self.cfg.residual else 0)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("change", ["none", "config field", "error dropped"])
+def test_a_traced_retry_reuses_the_trace_only_while_nothing_it_read_changed(change: str) -> None:
+    """NOTE [A retry after an infeasible budget] in retry_walks.py: the trace is kept with the
+    error, and its key sees a config object's fields."""
+    import autockpt.planning as planning
+
+    x = torch.randn(8, WIDTH)
+    torch.manual_seed(0)
+    model = Configured()
+    ref = copy.deepcopy(model)
+    with mock.patch.object(planning, "walk", wraps=planning.walk) as walked:
+        try:
+            autockpt.auto_checkpoint(model, budget=1024, example_inputs=(x,), mode="graph")
+        except autockpt.PlanInfeasibleError as err:
+            budget = (err.min_budget_bytes + err.unwrapped_bytes) // 2  # type: ignore[operator]
+            if change == "config field":
+                model.cfg.residual = ref.cfg.residual = False
+            if change != "error dropped":  # the natural retry, inside the except
+                autockpt.auto_checkpoint(model, budget=budget, example_inputs=(x,), mode="graph")
+        if change == "error dropped":
+            autockpt.auto_checkpoint(model, budget=budget, example_inputs=(x,), mode="graph")
+    assert walked.call_count == (1 if change == "none" else 2)
+    for m in (ref, model):
+        m(x).square().mean().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters()))
 
 
 def test_long_chains_use_the_grid_and_stay_within_budget_and_near_optimal() -> None:
