@@ -124,8 +124,8 @@ def walk_and_dry_run(
     (NOTE [Dry run bytes] in ``measure/dry_run.py``)."""
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     has_inputs = example_inputs is not None or bool(example_kwargs)
-    kept = take_kept(model, example_inputs, example_kwargs, mode, saved=saved)  # retry_walks.py
-    if kept is not None and has_inputs:
+    kept = take_kept(model, example_inputs, example_kwargs, mode, saved=saved) if has_inputs else None
+    if kept is not None:  # NOTE [A retry after an infeasible budget] in retry_walks.py
         return kept
     none_args = none_pattern(model, args, kwargs) if has_inputs else None  # trace for this call
     walked = walk(model, mode, where=where, none_args=none_args)

@@ -12,20 +12,30 @@ NOTE [A retry after an infeasible budget]
 
     A traced walk (the graph walker's fx trace) needs more. It holds the model, so a cache
     keyed weakly by the model would keep it alive (a leak, found in review); it is kept in
-    a dict keyed weakly by the error the call raised instead, alive only while the caller
-    holds that error, which is while the natural retry runs (inside its ``except``). And it
-    bakes in control flow that any attribute may have decided, a config object's fields
-    included (found in review): its key adds every module's non-tensor attributes, pickled
-    (so nested objects count; an attribute that does not pickle means no reuse), and the
-    class's ``forward`` beside the instance's. Globals stay unseen, as they are for the
-    trace installed by any plan. On timm's mobilenetv2_035 (infeasible at 0.6, then the
-    retry) this took the budget plan from 0.73 to 0.55-0.60 s CPU, about 10.6 to 8.3 steps.
+    a dict keyed weakly by the error the call raised instead, and used only while that
+    error is the one being handled (or one it was raised from): the natural retry, inside
+    the ``except``. An error kept afterwards (a notebook's ``sys.last_value``, a stored one)
+    may have seen anything change since. And a trace bakes in control flow that any
+    attribute may have decided, a config object's fields included (found in review): its
+    key adds, pickled, every module's own attributes (plain data by value, so nested
+    objects count; tensors, modules, functions and classes by identity, kept alive with
+    the key so no id is reused), its class and the attributes of every class in its MRO
+    below ``nn.Module`` (a helper method or class flag replaced), whether it has hooks (a
+    module with hooks is a leaf of the trace), its parameter and buffer names, and the
+    pattern of ``None`` arguments the trace was made for. An attribute that does not
+    pickle, or a key over 1 MiB, means no reuse. Globals stay unseen, as they are for the
+    trace installed by any plan. Found in a second review, all but the last tested. On
+    timm's mobilenetv2_035 (infeasible at 0.6, then the retry) this took the budget plan
+    from 0.73 to 0.55-0.60 s CPU, about 10.6 to 8.3 steps; the key costs 3-9 ms on small
+    timm models.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import sys
+import types
 import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -37,14 +47,21 @@ from autockpt.chain import Chain, DryRun
 from autockpt.errors import PlanInfeasibleError
 from autockpt.tensors import arguments_key, as_args, signature
 from autockpt.walkers import Walked
+from autockpt.walkers.graph import none_pattern
+from autockpt.walkers.graph_nodes import has_hooks
 
 __all__ = ["keep_for_retry", "take_kept"]
 
 Kept = tuple[Hashable, Walked, DryRun | None, Chain]
 
 _UNTRACED: weakref.WeakKeyDictionary[nn.Module, Kept] = weakref.WeakKeyDictionary()
-_TRACED: weakref.WeakKeyDictionary[PlanInfeasibleError, tuple[nn.Module, Kept]] = weakref.WeakKeyDictionary()
+# per error: the model, what was kept, and the objects the key names by identity (kept alive
+# with it, so no id in the key can be reused by another object meanwhile)
+_TRACED: weakref.WeakKeyDictionary[PlanInfeasibleError, tuple[nn.Module, Kept, list[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 _MODULE_STATE = frozenset(vars(nn.Module())) | {"forward"}  # hooks, registries; the installed forward
+_MAX_ATTRIBUTE_BYTES = 1 << 20  # beyond this, a key is not worth its cost: no reuse
 
 
 def keep_for_retry(
@@ -60,12 +77,13 @@ def keep_for_retry(
     saved: bool,
 ) -> None:
     """Keep the walk of a call that raised ``err`` for the model's next call."""
+    refs: list[Any] = []
     traced = walked.program is not None
-    key = _walk_key(model, example_inputs, example_kwargs, mode, saved=saved, traced=traced)
+    key = _walk_key(model, example_inputs, example_kwargs, mode, saved=saved, refs=refs if traced else None)
     if not traced:
         _UNTRACED[model] = (key, walked, dry, chain)
     elif key is not None:
-        _TRACED[err] = (model, (key, walked, dry, chain))
+        _TRACED[err] = (model, (key, walked, dry, chain), refs)
 
 
 def take_kept(
@@ -76,19 +94,32 @@ def take_kept(
     *,
     saved: bool,
 ) -> tuple[Walked, DryRun | None, Chain] | None:
-    """The walk kept for ``model``'s retry, if this call's walk would see the same things;
-    whatever was kept for it is dropped either way."""
+    """The walk kept for ``model``'s retry, if this call's walk would see the same things
+    (a traced one only while its error is being handled); whatever was kept for it is
+    dropped either way."""
     kept = _UNTRACED.pop(model, None)
-    for err, (owner, entry) in list(_TRACED.items()):
+    for err, (owner, entry, _) in list(_TRACED.items()):
         if owner is model:
             del _TRACED[err]
-            kept = entry
+            kept = entry if _being_handled(err) else None
     if kept is None:
         return None
     key, walked, dry, chain = kept
-    traced = walked.program is not None
-    now = _walk_key(model, example_inputs, example_kwargs, mode, saved=saved, traced=traced)
+    refs: list[Any] | None = [] if walked.program is not None else None
+    now = _walk_key(model, example_inputs, example_kwargs, mode, saved=saved, refs=refs)
     return (walked, dry, chain) if now is not None and now == key else None
+
+
+def _being_handled(err: BaseException) -> bool:
+    """Whether ``err`` is the exception being handled now, or one it was raised from: the
+    retry inside the ``except`` of the failed call. An error kept afterwards (a notebook's
+    ``sys.last_value``, a stored one) may have seen anything change since."""
+    now = sys.exc_info()[1]
+    while now is not None:
+        if now is err:
+            return True
+        now = now.__context__
+    return False
 
 
 def _walk_key(
@@ -98,10 +129,12 @@ def _walk_key(
     mode: str | None,
     *,
     saved: bool,
-    traced: bool,
+    refs: list[Any] | None,
 ) -> Hashable:
-    """What a walk and dry run of ``model`` on these inputs depend on; for a traced walk,
-    every attribute too (``None`` when one does not pickle: then nothing is reused)."""
+    """What a walk and dry run of ``model`` on these inputs depend on; with ``refs`` (a
+    traced walk) also everything the trace may have specialised on, the objects named by
+    identity appended to ``refs`` (``None`` when an attribute does not pickle or the key
+    would be large: then nothing is reused)."""
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     modules = list(model.named_modules())
     key = (
@@ -112,24 +145,59 @@ def _walk_key(
         signature(list(model.parameters())),
         tuple((name, id(m), id(m.__dict__.get("forward")), _settings(m)) for name, m in modules),
     )
-    if not traced:
+    if refs is None:
         return key
+    classes: dict[type, dict[str, Any]] = {}
+    for _, m in modules:
+        for cls in type(m).__mro__:
+            if cls not in classes and cls not in _TORCH_MODULE_MRO:
+                classes[cls] = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+    state = (
+        sorted(none_pattern(model, args, kwargs)),
+        [(type(m), m.__dict__.get("forward"), has_hooks(m), list(m._parameters), [(k, v is None) for k, v in
+          m._buffers.items()], _attributes(m)) for _, m in modules],
+        list(classes.items()),
+    )  # fmt: skip
     buffer = io.BytesIO()
     try:
-        _ByIdentity(buffer).dump([_attributes(m) for _, m in modules])
-    except Exception:  # anything a user stored on a module may refuse to pickle
+        _ByIdentity(buffer, refs).dump(state)
+    except Exception:  # anything a user stored on a module or class may refuse to pickle
         return None
     attributes = buffer.getvalue()
-    return (*key, tuple(id(type(m).forward) for _, m in modules), attributes)
+    return (*key, attributes) if len(attributes) <= _MAX_ATTRIBUTE_BYTES else None
+
+
+_TORCH_MODULE_MRO = frozenset(nn.Module.__mro__)
 
 
 class _ByIdentity(pickle.Pickler):
-    """Pickles tensors and modules met inside attributes (a plain list of layers) by
-    identity: their contents are the parameters' and buffers' business, and copying them
-    would cost the model's size."""
+    """Pickles plain data by value and, by identity, what it cannot or should not copy:
+    tensors and modules (their contents are the parameters' and buffers' business, and
+    copying them would cost the model's size), functions, methods and classes (pickle would
+    name them, and a replaced one of the same name must count as a change)."""
+
+    def __init__(self, file: io.BytesIO, refs: list[Any]) -> None:
+        super().__init__(file)
+        self.refs = refs
 
     def persistent_id(self, obj: Any) -> int | None:
-        return id(obj) if isinstance(obj, (torch.Tensor, nn.Module)) else None
+        if isinstance(obj, _BY_IDENTITY):
+            self.refs.append(obj)  # alive as long as the key: its id cannot be reused
+            return id(obj)
+        return None
+
+
+_BY_IDENTITY = (
+    torch.Tensor,
+    nn.Module,
+    type,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    staticmethod,
+    classmethod,
+    property,
+)
 
 
 def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
@@ -142,9 +210,6 @@ def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
 
 
 def _attributes(module: nn.Module) -> dict[str, Any]:
-    """A module's own attributes other than its tensors, submodules, hooks and registries."""
-    return {
-        k: v
-        for k, v in vars(module).items()
-        if k not in _MODULE_STATE and not isinstance(v, (torch.Tensor, nn.Module))
-    }
+    """A module's own attributes other than its hooks and registries (tensors and modules
+    stored as plain attributes included: fx bakes them into a trace)."""
+    return {k: v for k, v in vars(module).items() if k not in _MODULE_STATE}

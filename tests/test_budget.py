@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 import math
+import threading
 import types
 from unittest import mock
 
@@ -414,34 +415,58 @@ class Configured(nn.Module):
         self.cfg = types.SimpleNamespace(residual=True)
         self.a, self.b, self.c = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
 
+    def mix(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.b(h))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x))
-        h = torch.tanh(self.b(h)) + (h if self.cfg.residual else 0)
+        h = self.mix(h) + (h if self.cfg.residual else 0)
         return self.c(h)
 
 
-@pytest.mark.parametrize("change", ["none", "config field", "error dropped"])
+def sigmoid_mix(self: Configured, h: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(self.b(h))
+
+
+CHANGES = ["none", "config field", "class method", "hook added", "unpicklable attribute"]
+CHANGES += ["error held", "error dropped"]
+
+
+@pytest.mark.parametrize("change", CHANGES)
 def test_a_traced_retry_reuses_the_trace_only_while_nothing_it_read_changed(change: str) -> None:
     """NOTE [A retry after an infeasible budget] in retry_walks.py: the trace is kept with the
-    error, and its key sees a config object's fields."""
+    error while it is handled, under a key that sees attributes (a config object's fields),
+    the class and hooks; each change walks again and trains exactly."""
     import autockpt.planning as planning
 
     x = torch.randn(8, WIDTH)
     torch.manual_seed(0)
-    model = Configured()
-    ref = copy.deepcopy(model)
+    model = type("Local", (Configured,), {})()  # a class of its own: the test may change it
+    if change == "unpicklable attribute":
+        model.lock = threading.Lock()
+    ref = copy.deepcopy(model) if change != "unpicklable attribute" else None
     with mock.patch.object(planning, "walk", wraps=planning.walk) as walked:
         try:
             autockpt.auto_checkpoint(model, budget=1024, example_inputs=(x,), mode="graph")
         except autockpt.PlanInfeasibleError as err:
+            held = err
             budget = (err.min_budget_bytes + err.unwrapped_bytes) // 2  # type: ignore[operator]
             if change == "config field":
-                model.cfg.residual = ref.cfg.residual = False
-            if change != "error dropped":  # the natural retry, inside the except
+                model.cfg.residual = False
+            if change == "class method":
+                type(model).mix = sigmoid_mix  # type: ignore[method-assign]
+            if change == "hook added":
+                model.b.register_forward_hook(lambda m, i, o: None)
+            if change not in ("error held", "error dropped"):  # the natural retry, inside the except
                 autockpt.auto_checkpoint(model, budget=budget, example_inputs=(x,), mode="graph")
         if change == "error dropped":
+            del held
+        if change in ("error held", "error dropped"):
             autockpt.auto_checkpoint(model, budget=budget, example_inputs=(x,), mode="graph")
     assert walked.call_count == (1 if change == "none" else 2)
+    if ref is None:
+        return
+    ref.cfg.residual = model.cfg.residual
     for m in (ref, model):
         m(x).square().mean().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters()))
