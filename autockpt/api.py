@@ -52,8 +52,8 @@ def auto_checkpoint(
     non-reentrant checkpoint (autockpt's own lean one in plain eager steps,
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` under ``torch.compile``,
     op policies or saved-tensor hooks); gradients, dropout masks and buffer updates are
-    those of the unwrapped model. Calling it again replaces
-    the plan. Under ``torch.no_grad()`` or ``inference_mode`` the original forward runs.
+    those of the unwrapped model. Calling it again replaces the plan. Under
+    ``torch.no_grad()`` or ``inference_mode`` the original forward runs.
 
     Args:
         model: any module. An ``nn.Sequential`` is walked directly (nested ones are

@@ -62,6 +62,19 @@ _TRACED: weakref.WeakKeyDictionary[PlanInfeasibleError, tuple[nn.Module, Kept, l
 )
 _MODULE_STATE = frozenset(vars(nn.Module())) | {"forward"}  # hooks, registries; the installed forward
 _MAX_ATTRIBUTE_BYTES = 1 << 20  # beyond this, a key is not worth its cost: no reuse
+_TORCH_MODULE_MRO = frozenset(nn.Module.__mro__)  # classes whose attributes are torch's, not the model's
+# pickled by identity in a key (``_ByIdentity``)
+_BY_IDENTITY = (
+    torch.Tensor,
+    nn.Module,
+    type,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    staticmethod,
+    classmethod,
+    property,
+)
 
 
 def keep_for_retry(
@@ -167,9 +180,6 @@ def _walk_key(
     return (*key, attributes) if len(attributes) <= _MAX_ATTRIBUTE_BYTES else None
 
 
-_TORCH_MODULE_MRO = frozenset(nn.Module.__mro__)
-
-
 class _ByIdentity(pickle.Pickler):
     """Pickles plain data by value and, by identity, what it cannot or should not copy:
     tensors and modules (their contents are the parameters' and buffers' business, and
@@ -185,19 +195,6 @@ class _ByIdentity(pickle.Pickler):
             self.refs.append(obj)  # alive as long as the key: its id cannot be reused
             return id(obj)
         return None
-
-
-_BY_IDENTITY = (
-    torch.Tensor,
-    nn.Module,
-    type,
-    types.FunctionType,
-    types.MethodType,
-    types.BuiltinFunctionType,
-    staticmethod,
-    classmethod,
-    property,
-)
 
 
 def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:

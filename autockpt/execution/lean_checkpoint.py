@@ -198,13 +198,8 @@ class _Frame:
         return t
 
     def repack(self, t: torch.Tensor) -> torch.Tensor:
-        i = self.count
+        i = self.count  # below len(holders): the replay stops at the last one (early stop)
         self.count = i + 1
-        if i >= len(self.holders):  # a replay that saves more cannot happen with early stop, kept for safety
-            raise CheckpointError(
-                "torch.utils.checkpoint: trying to save more tensors during recomputation than during the "
-                "original forward pass."
-            )
         if t.requires_grad:
             t = t.detach()
         holder = self.holders[i]()
