@@ -13,6 +13,7 @@ import torchvision
 from helpers import assert_same_state
 from models_for_tests import GPT, BranchyGPT, ManyOutputs, Pair
 from torch import nn
+from torch.nn import functional as F  # noqa: N812
 from torch.utils._pytree import tree_leaves
 from torchvision.models.vision_transformer import VisionTransformer
 
@@ -450,3 +451,57 @@ def test_lists_of_lists_checkpoint_the_blocks_not_the_lists() -> None:
     assert peak(model, (x,)) < 0.6 * peak(Staged().to(D), (x,))
     budgeted = autockpt.auto_checkpoint(Staged().to(D), budget=0.8, example_inputs=(x,))
     assert budgeted.forward.plan.checkpointed_segments >= 1
+
+
+class NormAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d in small: a subclass of a torch layer, with a child of its own."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # as timm's: no input check fx cannot trace
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        mean, var = self.running_mean, self.running_var
+        x = F.batch_norm(x, mean, var, self.weight, self.bias, self.training, 0.1, 1e-5)
+        return self.act(x)
+
+
+class Getter(nn.ModuleDict):
+    """torchvision's IntermediateLayerGetter in small: a container with a forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.values():
+            x = layer(x)
+        return x
+
+
+class NormActNet(nn.Module):
+    def __init__(self, c: int = 8, n: int = 6) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        blocks = {f"b{i}": nn.Sequential(nn.Conv2d(c, c, 3, padding=1), NormAct(c)) for i in range(n)}
+        self.body = Getter(blocks)
+        self.head = nn.Linear(c, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.stem(x)).mean((2, 3)))
+
+
+def test_subclasses_of_torch_layers_are_traced_as_one_call_and_train_exactly() -> None:
+    """NOTE [Subclassed torch layers stay whole]: one node per NormAct (traced through, eight:
+    five buffer reads, the counter's add_, batch_norm, the activation), while a container
+    with a forward is still traced through to its layers; running stats stay exact."""
+    from autockpt.walkers.graph import trace_program
+
+    program = trace_program(NormActNet())
+    called = [str(n.target) for n in program.nodes if n.op == "call_module"]
+    assert called == ["stem", *(f"body.b{i}.{j}" for i in range(6) for j in (0, 1)), "head"]
+    assert not [n for n in program.nodes if n.op == "get_attr"]
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 16, 16, dtype=D)
+    model = same_training(NormActNet().to(D), (x,), example_inputs=(x,))
+    assert model.forward.plan.checkpointed_segments >= 2
+    assert peak(model, (x,)) < peak(NormActNet().to(D), (x,))
+    same_training(NormActNet().to(D), (x,), budget=0.7, example_inputs=(x,), loss_fn=loss_of)
