@@ -1283,7 +1283,7 @@ def markdown(records: list[dict[str, Any]], s: dict[str, Any], line: str, meta: 
         "architectures from tiny configs (with padded batches), and torchvision's classification, "
         "detection and segmentation models, one training step each in train mode, unwrapped and with "
         "`auto_checkpoint(model, example_inputs=...)`. Made by `python benchmarks/zoo.py --docs "
-        "docs/zoo.md` (about 45 minutes on 2 idle cores with `--repeats 1 --time-per-variant "
+        "docs/zoo.md` (27 to 45 minutes on 2 idle cores with `--repeats 1 --time-per-variant "
         "0.5`; `--only NAME` runs one family, `--resume` goes on after an interruption). Inputs "
         "grow until the activations outweigh the parameters 1.5 times (NOTE [Zoo input size] in "
         "`benchmarks/zoo.py`).",
