@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 # Functions and methods that draw no random numbers; anything else in a unit makes the
-# runtime keep torch's RNG stash for it (see RNG_FREE in execution/runtime.py).
+# runtime keep torch's RNG stash for it (see _RNG_FREE in execution/checkpoint_args.py).
 PURE_FUNCTIONS = {
     operator.add, operator.iadd, operator.mul, operator.imul, operator.sub, operator.truediv,
     operator.getitem, operator.matmul, operator.neg, getattr,
