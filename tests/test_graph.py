@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torchvision.models.vision_transformer import VisionTransformer
 
 import autockpt
+from autockpt.walkers.graph import trace_program
 
 D = torch.float64
 
@@ -493,8 +494,6 @@ def test_subclasses_of_torch_layers_are_traced_as_one_call_and_train_exactly() -
     """NOTE [Subclassed torch layers stay whole]: one node per NormAct (traced through, eight:
     five buffer reads, the counter's add_, batch_norm, the activation), while a container
     with a forward is still traced through to its layers; running stats stay exact."""
-    from autockpt.walkers.graph import trace_program
-
     program = trace_program(NormActNet())
     called = [str(n.target) for n in program.nodes if n.op == "call_module"]
     assert called == ["stem", *(f"body.b{i}.{j}" for i in range(6) for j in (0, 1)), "head"]
