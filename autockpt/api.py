@@ -72,8 +72,8 @@ def auto_checkpoint(
             forward.
         example_kwargs: keyword inputs for the same dry run (e.g. an attention mask).
         mode: force a walker: ``"sequential"``, ``"graph"`` or ``"blocks"``. With the
-            block walker, ``"sqrt"`` and an int ``k`` mean ``k`` (or ``ceil(sqrt(n))``)
-            evenly spread blocks are checkpointed, each on its own.
+            block walker each checkpoint holds one block: an int ``k`` means ``k`` evenly
+            spread blocks, and ``"sqrt"`` every block (a block saves more than its input).
         loss_fn: with a budget, the loss you train with, from the model's output to a
             scalar (``lambda out: F.cross_entropy(out, labels)``). The loss runs while every
             saved activation is alive, so its bytes count; without it a weighted sum of the
