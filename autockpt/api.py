@@ -59,7 +59,8 @@ def auto_checkpoint(
         model: any module. An ``nn.Sequential`` is walked directly (nested ones are
             flattened), anything else is traced with ``torch.fx`` and cut where one tensor
             crosses, and an untraceable model gets its repeated blocks checkpointed.
-        segments: ``"sqrt"`` (``ceil(sqrt(n))`` segments), an int number of segments,
+        segments: ``"sqrt"`` (Chen's rule: about ``sqrt(n)`` segments, balanced by the
+            bytes the dry run measured), an int number of segments,
             ``"none"``, another registered planner name, a callable planner, or a
             :class:`Plan`. All segments but the last are recomputed in backward.
         budget: plan for a memory budget instead: bytes, a string such as ``"2GiB"`` or

@@ -3,8 +3,9 @@
 ``"sqrt"`` follows Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost":
 with ``k`` segments of ``n / k`` stages each, the peak holds about ``k`` segment inputs
 plus one segment's activations, ``k + n / k``, which is smallest for ``k = sqrt(n)``.
-We use ``k = ceil(sqrt(n))`` and split by stage count (sizes differ by at most one, the
-larger segments first). Each planner runs in O(n).
+Without measured bytes we use ``k = ceil(sqrt(n))`` and split by stage count (sizes
+differ by at most one, the larger segments first); with the dry run's bytes the rule is
+applied to bytes (:func:`sqrt_planner`). ``"none"`` and a fixed count run in O(n).
 """
 
 from __future__ import annotations
