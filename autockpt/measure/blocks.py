@@ -267,8 +267,9 @@ def _measuring_forward(
             )
         step.mark(f"block {pos}")
         out = checkpoint(lambda *a, **k: call((a, k)), *args, use_reentrant=False, **kwargs)
-        step.block_outputs += [weakref.ref(t) for t in tensors_in(out)]
-        first_out = next((t for t in tensors_in(out) if t.requires_grad), None)
+        outs = tensors_in(out)
+        step.block_outputs += [weakref.ref(t) for t in outs]
+        first_out = next((t for t in outs if t.requires_grad), None)
         if first_out is not None:
             first_out.register_hook(_marker(step, f"bwd block {pos}"))
         step.mark(f"gap {after}")

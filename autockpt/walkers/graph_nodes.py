@@ -20,7 +20,6 @@ __all__ = [
     "PURE_FUNCTIONS",
     "PURE_METHODS",
     "GradModeTracer",
-    "extends_torch_layer",
     "has_hooks",
     "module_path",
     "mutated_arg",
@@ -111,7 +110,7 @@ class GradModeTracer(fx.Tracer):
         """Modules with hooks stay whole, so their hooks fire as in eager mode, and so do
         subclasses of torch's own layers (NOTE [Subclassed torch layers stay whole])."""
         return (
-            super().is_leaf_module(m, module_qualified_name) or has_hooks(m) or extends_torch_layer(type(m))
+            super().is_leaf_module(m, module_qualified_name) or has_hooks(m) or _extends_torch_layer(type(m))
         )
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
@@ -148,7 +147,7 @@ class GradModeTracer(fx.Tracer):
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
-def extends_torch_layer(cls: type) -> bool:
+def _extends_torch_layer(cls: type) -> bool:
     """Whether ``cls`` is defined outside torch and derives from one of torch's modules that
     is not a container (NOTE [Subclassed torch layers stay whole])."""
     if _from_torch_nn(cls) or issubclass(cls, _CONTAINERS):
