@@ -40,6 +40,8 @@ __all__ = ["BlockForward", "CheckpointedForward", "install", "installed", "unins
 
 logger = logging.getLogger(__name__)
 
+_HOOKED = "hooks were added to a module it went through"
+
 
 class BlockForward:
     """What a checkpointed block's ``forward`` is: a checkpoint around its own forward."""
@@ -168,10 +170,12 @@ class CheckpointedForward:
         if program is None:
             if len(args) != 1 or kwargs:
                 return self._plain(*args, **kwargs)  # let the model raise its own TypeError
+            if self.walked.stale():  # NOTE [Flattened containers] in walkers/sequential.py
+                self._walk_again(walk(self.model, "sequential", where="auto_checkpoint"), _HOOKED)
             x = args[0]
         else:
-            if program.hooks_added():
-                self._retrace(program.none_args, "hooks were added inside it")
+            if self.walked.stale():
+                self._retrace(program.none_args, _HOOKED)
                 program = self.walked.program
                 assert program is not None
             try:
@@ -202,23 +206,26 @@ class CheckpointedForward:
         """Trace again (hooks were added inside a traced module, or a call's optional
         arguments differ from the trace's) and plan again; a pattern of ``None`` arguments
         traced before is switched back to, not traced again."""
-        logger.info("autockpt: tracing %s again: %s", type(self.model).__name__, why)
         current = self.walked.program
-        if current is not None and not current.hooks_added():
+        if current is not None and not self.walked.stale():
             self.traced[current.none_args] = (self.walked, self.plan, self.runtime, self.probe)
         known = self.traced.pop(none_args, None)
-        if known is not None and known[0].program is not None and not known[0].program.hooks_added():
+        if known is not None and not known[0].stale():
             self.walked, self.plan, self.runtime, self.probe = known
             return
-        walked = walk(self.model, "graph", where="auto_checkpoint", none_args=none_args)
+        self._walk_again(walk(self.model, "graph", where="auto_checkpoint", none_args=none_args), why)
+
+    def _walk_again(self, walked: Walked, why: str) -> None:
+        """Take a new walk of the model and plan it again with the same strategy."""
+        logger.info("autockpt: walking %s again: %s", type(self.model).__name__, why)
         self.walked, self.probe = walked, None
-        chain = build_chain("graph", walked.units)
+        chain = build_chain(walked.walker, walked.units)
         spec = self.spec if self.spec is not None and not isinstance(self.spec, Plan) else self.plan.strategy
         name = spec.strip().lower() if isinstance(spec, str) else None
         if name is not None and not name.isdigit() and (name == "budget" or name not in available_planners()):
             # a given Plan or a budget plan's stages are gone, and a budget needs inputs to profile
             warnings.warn(
-                f"auto_checkpoint: {type(self.model).__name__} was traced again ({why}), so its "
+                f"auto_checkpoint: {type(self.model).__name__} was walked again ({why}), so its "
                 f"plan ({spec}) no longer matches its stages; it is checkpointed with "
                 f"segments='sqrt' from now on. For a budget, call auto_checkpoint(model, budget=..., "
                 f"example_inputs=...) again with inputs like this call's, after adding hooks.",

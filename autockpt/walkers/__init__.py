@@ -33,7 +33,7 @@ from autockpt.chain import Unit
 from autockpt.errors import AutockptError
 from autockpt.walkers.blocks import block_unit, find_blocks
 from autockpt.walkers.graph import GraphProgram, UntraceableError, none_pattern, trace_program, units_of
-from autockpt.walkers.sequential import is_sequential_model, sequential_units
+from autockpt.walkers.sequential import flattened_changed, is_sequential_model, sequential_units
 
 __all__ = ["WALKERS", "Walked", "walk"]
 
@@ -48,6 +48,14 @@ class Walked:
     units: tuple[Unit, ...]
     program: GraphProgram | None = None
     notes: tuple[str, ...] = ()
+    flattened: tuple[nn.Module, ...] = ()  # the sequential walker's (NOTE [Flattened containers])
+
+    def stale(self) -> bool:
+        """Whether a module the walk went through (replaced by its parts, so its own code and
+        hooks never run) has since gained hooks: the model must be walked again."""
+        if self.program is not None:
+            return self.program.hooks_added()
+        return flattened_changed(self.flattened)
 
     def entry_value(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, where: str) -> Any:
         """What the chain's first unit receives for a call ``model(*args, **kwargs)``.
@@ -91,7 +99,8 @@ def walk(
     for name in [mode] if mode else WALKERS:
         if name == "sequential":
             if is_sequential_model(model):
-                return Walked("sequential", sequential_units(model, where=where), notes=tuple(reasons))
+                units, flattened = sequential_units(model, where=where)
+                return Walked("sequential", units, notes=tuple(reasons), flattened=flattened)
             reasons.append(f"sequential walker: {type(model).__name__} is not an nn.Sequential")
         elif name == "graph":
             program = _trace(model, none_args, reasons)

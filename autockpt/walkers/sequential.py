@@ -3,6 +3,14 @@
 Nested Sequentials (plain ones, without hooks or a custom ``forward``) are flattened. It
 iterates the Sequential's own entries, so a module instance listed twice is run twice, as
 ``Sequential.forward`` does (``children()`` would drop the repeat).
+
+NOTE [Flattened containers]
+    A flattened Sequential is never called: its leaves are. A hook registered on it after
+    the walk would never run, and an output-changing one would leave the model training
+    another function with no error. So the walk keeps the containers it flattened, and
+    :func:`flattened_changed` tells the installed forward to walk again once one of them is
+    no longer plain; the new walk keeps that container whole, as one unit, and its hooks
+    run with it (inside the checkpoint, where the mutation guard watches them).
 """
 
 from __future__ import annotations
@@ -11,8 +19,9 @@ from torch import nn
 
 from autockpt.chain import Unit
 from autockpt.errors import AutockptError
+from autockpt.walkers.graph_nodes import has_hooks
 
-__all__ = ["is_sequential_model", "sequential_units"]
+__all__ = ["flattened_changed", "is_sequential_model", "sequential_units"]
 
 INSTALLED_MARK = "_autockpt_forward"
 """Attribute set on the forwards autockpt installs, so walkers can see through them."""
@@ -24,7 +33,7 @@ def _is_plain_sequential(module: nn.Module) -> bool:
         return False
     if "forward" in module.__dict__ and not _is_ours(module.__dict__["forward"]):
         return False
-    return not (module._forward_hooks or module._forward_pre_hooks)
+    return not has_hooks(module)
 
 
 def _is_ours(obj: object) -> bool:
@@ -36,8 +45,11 @@ def is_sequential_model(model: nn.Module) -> bool:
     return isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward
 
 
-def sequential_units(model: nn.Module, *, where: str = "sequential walker") -> tuple[Unit, ...]:
-    """The leaf modules ``model(x)`` calls, in order, nested plain Sequentials flattened.
+def sequential_units(
+    model: nn.Module, *, where: str = "sequential walker"
+) -> tuple[tuple[Unit, ...], tuple[nn.Module, ...]]:
+    """The leaf modules ``model(x)`` calls, in order, nested plain Sequentials flattened; and
+    the Sequentials flattened (NOTE [Flattened containers]).
 
     Raises:
         AutockptError: ``model`` is not an ``nn.Sequential`` with the stock forward.
@@ -48,16 +60,23 @@ def sequential_units(model: nn.Module, *, where: str = "sequential walker") -> t
             f"can be walked so far. Put its layers in an nn.Sequential."
         )
     units: list[Unit] = []
-    _flatten(model, "", units)
-    return tuple(units)
+    flattened: list[nn.Module] = []
+    _flatten(model, "", units, flattened)
+    return tuple(units), tuple(flattened)
 
 
-def _flatten(seq: nn.Module, prefix: str, out: list[Unit]) -> None:
+def flattened_changed(flattened: tuple[nn.Module, ...]) -> bool:
+    """Whether a container the walk flattened has since gained hooks or a forward of its own."""
+    return not all(map(_is_plain_sequential, flattened))
+
+
+def _flatten(seq: nn.Module, prefix: str, out: list[Unit], flattened: list[nn.Module]) -> None:
     for name, module in seq._modules.items():
         if module is None:
             continue
         path = f"{prefix}{name}"
         if _is_plain_sequential(module):
-            _flatten(module, path + ".", out)
+            flattened.append(module)
+            _flatten(module, path + ".", out, flattened)
         else:
             out.append(Unit.of_module(path, module))
