@@ -29,13 +29,12 @@ from torch import nn
 
 from autockpt.budget_plans import BudgetCosts, OpPolicy, budget_costs, budget_segments, policy_masks
 from autockpt.chain import Chain, DryRun, Unit, build_chain
-from autockpt.errors import AutockptError, PlanInfeasibleError
+from autockpt.errors import AutockptError
 from autockpt.measure.dry_run import dry_run
 from autockpt.measure.losses import LossFn
 from autockpt.plan import Plan, Segment, StageFigures
 from autockpt.planners import Planner, PlanRequest, get_planner, run_planner
 from autockpt.planners.basic import estimated_peak, uniform_plan
-from autockpt.retry_walks import keep_for_retry, take_kept
 from autockpt.tensors import as_args
 from autockpt.units import format_bytes
 from autockpt.walkers import Walked, walk
@@ -88,22 +87,16 @@ def prepare(
         model, example_inputs, example_kwargs, mode, where=where, previous=previous, saved=budget is None
     )
     costs = None
-    try:
-        if budget is not None:
-            args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
-            costs = budget_costs(
-                model, walked, chain, args, kwargs, budget, loss_fn=loss_fn, where=where,
-                ops=choose_ops or policy_fn is not None,
-            )  # fmt: skip
-            if policy_fn is not None:
-                costs = dataclasses.replace(costs, keep_only=policy_masks(costs.profile, policy_fn))
-        plan = build_plan(chain, "budget" if budget is not None else segments, where=where,
-                          notes=walked.notes, budget=costs)  # fmt: skip
-    except PlanInfeasibleError as err:  # NOTE [A retry after an infeasible budget] in retry_walks.py
-        keep_for_retry(
-            err, model, walked, dry, chain, example_inputs, example_kwargs, mode, saved=budget is None
-        )
-        raise
+    if budget is not None:
+        args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
+        costs = budget_costs(
+            model, walked, chain, args, kwargs, budget, loss_fn=loss_fn, where=where,
+            ops=choose_ops or policy_fn is not None,
+        )  # fmt: skip
+        if policy_fn is not None:
+            costs = dataclasses.replace(costs, keep_only=policy_masks(costs.profile, policy_fn))
+    plan = build_plan(chain, "budget" if budget is not None else segments, where=where,
+                      notes=walked.notes, budget=costs)  # fmt: skip
     if policy is not None and policy != plan.policy:
         plan = dataclasses.replace(plan, policy=policy)
     return walked, dry, chain, plan
@@ -124,9 +117,6 @@ def walk_and_dry_run(
     (NOTE [Dry run bytes] in ``measure/dry_run.py``)."""
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     has_inputs = example_inputs is not None or bool(example_kwargs)
-    kept = take_kept(model, example_inputs, example_kwargs, mode, saved=saved) if has_inputs else None
-    if kept is not None:  # NOTE [A retry after an infeasible budget] in retry_walks.py
-        return kept
     none_args = none_pattern(model, args, kwargs) if has_inputs else None  # trace for this call
     walked = walk(model, mode, where=where, none_args=none_args)
     dry = (

@@ -11,53 +11,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from autockpt.chain import Stage
 from autockpt.errors import MutationError
 from autockpt.walkers.blocks import BlockCall
 from autockpt.walkers.graph import GraphPiece
 
-__all__ = ["NO_HOOKS", "HookMemo", "HookState", "hook_error", "hook_state", "hooked_modules"]
+__all__ = ["HookState", "hook_error", "hook_state", "hooked_modules"]
 
 NamedModules = Sequence[tuple[str, nn.Module]]
 
 # global pre-hook ids, global hook ids, and per module that has hooks (by its index in the
 # hooked modules): (index, pre-hook ids, hook ids)
 HookState = tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]]
-NO_HOOKS: HookState = ((), (), ())
-
-
-class HookMemo:
-    """The last state :func:`hook_state` read for one segment, and how many hook handles
-    torch had handed out then (NOTE [Hooks unchanged when none was registered])."""
-
-    __slots__ = ("handles", "state")
-
-    def __init__(self) -> None:
-        self.handles: int | None = None
-        self.state: HookState | None = None
-
-    def __reduce__(self) -> tuple[type[HookMemo], tuple[()]]:
-        """Copied or unpickled empty: the handle count is this process's, and the copy's
-        modules may carry hooks its memo never saw (a model saved after adding a hook and
-        loaded where the count starts again from 0)."""
-        return HookMemo, ()
-
-
-# NOTE [Hooks unchanged when none was registered]
-#     Reading the hooks of every module of a block twice a step cost about 10 us a layer
-#     (a 32-layer tiny Llama, 1 thread), a fifth of the runtime's Python per layer. Every
-#     hook torch registers, on a module, globally or on a tensor, gets a ``RemovableHandle``
-#     whose id comes from one class counter. So when the last look found no forward hook
-#     that a segment's recompute would run, and no handle was handed out since, there is
-#     still none: nothing was added, and there was nothing to remove. Any registration
-#     anywhere (a tensor hook, FSDP's per-step hooks) sends the next look back to the
-#     modules themselves. The memo is this process's: a copied or unpickled model starts
-#     with an empty one (the count starts again from 0 in a new process, and a hook added
-#     before saving was never seen). Not seen by the shortcut: hooks put into a module's
-#     dicts by hand, without a handle, and hooks registered from another thread while a
-#     step runs (the count moves before the hook is in its dict).
 
 
 def hooked_modules(stages: Sequence[Stage], named: NamedModules) -> tuple[tuple[str, nn.Module], ...]:
@@ -77,23 +43,12 @@ def hooked_modules(stages: Sequence[Stage], named: NamedModules) -> tuple[tuple[
     return tuple((name, m) for name, m in named if id(m) not in outside)
 
 
-def hook_state(hooked: NamedModules, memo: HookMemo | None = None) -> HookState:
+def hook_state(hooked: NamedModules) -> HookState:
     """The forward hooks and pre-hooks that would run on ``hooked``, as handle ids.
 
     Handle ids are unique per registration, so any addition or removal changes the state.
-    Costs a truthiness test per module without hooks, or nothing while ``memo`` says none
-    was there and none was registered since (NOTE [Hooks unchanged when none was registered]).
+    Costs a truthiness test per module without hooks.
     """
-    handles = getattr(RemovableHandle, "next_id", None)
-    if memo is not None and handles is not None and memo.handles == handles and memo.state == NO_HOOKS:
-        return NO_HOOKS
-    state = _read_hooks(hooked)
-    if memo is not None:
-        memo.handles, memo.state = handles, state
-    return state
-
-
-def _read_hooks(hooked: NamedModules) -> HookState:
     g = nn.modules.module
     per_module = [
         (i, tuple(m._forward_pre_hooks), tuple(m._forward_hooks))

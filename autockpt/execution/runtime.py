@@ -82,7 +82,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,7 +94,7 @@ from autockpt.chain import Stage, Unit
 from autockpt.errors import MutationError
 from autockpt.execution.checkpoint_args import device_hints, may_use_rng, rng_free_modules
 from autockpt.execution.debug import OpRecorder, output_metadata, run_stage, stage_mismatch
-from autockpt.execution.hooks import HookMemo, HookState, hook_error, hook_state, hooked_modules
+from autockpt.execution.hooks import HookState, hook_error, hook_state, hooked_modules
 from autockpt.execution.lean_checkpoint import lean_applies, lean_checkpoint
 from autockpt.execution.policies import OpPolicy, SelectiveRecompute
 from autockpt.plan import Segment
@@ -147,7 +147,6 @@ class SegmentRuntime:
     modules: tuple[nn.Module, ...] = ()  # the modules of named_modules
     hooked: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; whose forward hooks run inside
     guarded_dicts: tuple[dict[str, Any], ...] = ()  # the _parameters and _buffers of named_modules
-    hook_memo: HookMemo = field(default_factory=HookMemo)  # execution/hooks.py
     label: str = ""  # "2", or "2.1" for a nested segment
     debug: bool = False  # check every op of a recompute (NOTE [Recompute check] in debug.py)
     selective: SelectiveRecompute | None = None  # an op policy's context_fn (execution/policies.py)
@@ -338,7 +337,7 @@ class _SegmentCall:
         self.guarded = guarded
         self.versions = list(map(_VERSION, guarded))
         self.modes = list(map(_TRAINING, rt.modules))
-        self.hooks = hook_state(rt.hooked, rt.hook_memo)
+        self.hooks = hook_state(rt.hooked)
 
     def _check_state(self) -> None:
         rt = self.rt
@@ -346,7 +345,7 @@ class _SegmentCall:
             list(map(_VERSION, self.inputs)) == self.input_versions
             and list(map(_VERSION, self.guarded)) == self.versions
             and list(map(_TRAINING, rt.modules)) == self.modes
-            and hook_state(rt.hooked, rt.hook_memo) == self.hooks
+            and hook_state(rt.hooked) == self.hooks
         ):
             return
         for t, version in zip(self.inputs, self.input_versions):
