@@ -9,18 +9,18 @@ Examples:
 
 from autockpt import models
 from autockpt.api import auto_checkpoint, make_plan, restore
-from autockpt.compile_check import GraphBreak, find_graph_breaks
 from autockpt.errors import AutockptError, MutationError, PlanInfeasibleError
 from autockpt.execution.debug import RecomputeMismatchError
 from autockpt.execution.policies import available_policies, register_policy
 from autockpt.measure.memory import MemoryStats, track_memory
 from autockpt.measure.model_profile import profile
 from autockpt.measure.profiling import Profile
+from autockpt.measure.sandbox import is_recomputing
 from autockpt.plan import Plan, Segment
 from autockpt.planners import PlanRequest, available_planners, register_planner
-from autockpt.sandbox import is_recomputing
-from autockpt.tradeoff import Tradeoff, TradeoffPoint, tradeoff
-from autockpt.verification import VerifyReport, verify
+from autockpt.report.compile_check import GraphBreak, find_graph_breaks
+from autockpt.report.tradeoff import Tradeoff, TradeoffPoint, tradeoff
+from autockpt.report.verification import VerifyReport, verify
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,7 @@ so the class, the module tree, the parameter objects and the ``state_dict`` keys
 they were, optimizers keep working, and ``restore`` removes the attribute again.
 
 The dry run and the re-planning it may cause: NOTE [The one-time dry run] in
-``execution/forward.py``. Planning happens in ``planning.py``, the measured step of
+``execution/forward.py``. Planning happens in ``planning/prepare.py``, the measured step of
 ``check=True`` in ``measure/step.py``.
 """
 
@@ -18,19 +18,20 @@ from typing import Any
 
 from torch import nn
 
-from autockpt.chain import chain_from_names
 from autockpt.errors import AutockptError, PlanInfeasibleError
 from autockpt.execution.forward import CheckpointedForward, install, installed, uninstall
 from autockpt.execution.policies import OpPolicy, resolve_policy
 from autockpt.measure.losses import LossFn
 from autockpt.measure.step import measure_step
-from autockpt.plan import Plan, set_applier
-from autockpt.planning import SegmentsSpec, prepare, reused_dry_run
-from autockpt.tensors import as_args
-from autockpt.units import format_bytes
+from autockpt.measure.tensors import as_args
+from autockpt.plan import Plan, format_bytes, set_applier
+from autockpt.planning.prepare import Replanner, SegmentsSpec, prepare, reused_dry_run
 from autockpt.walkers import walk
+from autockpt.walkers.chain import chain_from_names
 
 __all__ = ["apply_plan", "auto_checkpoint", "make_plan", "restore"]
+
+REPLANNER = Replanner()  # what an installed forward asks for a new plan (execution plans nothing)
 
 
 def auto_checkpoint(
@@ -141,7 +142,7 @@ def auto_checkpoint(
         where="auto_checkpoint", loss_fn=loss_fn, previous=_previous(model), policy=name, policy_fn=fn,
     )  # fmt: skip
     spec = plan if budget is not None else segments
-    install(model, walked, chain, plan, spec, probe, debug=debug, policy_fn=fn)
+    install(model, walked, chain, plan, spec, probe, replanner=REPLANNER, debug=debug, policy_fn=fn)
     if check and budget is not None:
         _keep_the_promise(model, example_inputs, example_kwargs, mode, loss_fn)
     return model
@@ -172,7 +173,17 @@ def _keep_the_promise(
             )  # fmt: skip
         except PlanInfeasibleError:
             break
-        install(model, fwd.walked, chain, plan, plan, probe, debug=fwd.debug, policy_fn=fwd.policy_fn)
+        install(
+            model,
+            fwd.walked,
+            chain,
+            plan,
+            plan,
+            probe,
+            replanner=REPLANNER,
+            debug=fwd.debug,
+            policy_fn=fwd.policy_fn,
+        )
         fwd = _installed_or_fail(model)
         measured = measure_step(model, args, kwargs, loss_fn)
     note = f"measured peak {format_bytes(measured)} for budget {format_bytes(target)}"
@@ -225,8 +236,9 @@ def apply_plan(model: nn.Module, plan: Plan, *, debug: bool = False) -> nn.Modul
     walked = walk(model, plan.walker, where="Plan.apply")
     chain = chain_from_names(plan.walker, walked.units, plan.stage_names)
     install(
-        model, walked, chain, plan, plan, reused_dry_run(walked, _previous(model)), debug=debug, policy_fn=fn
-    )
+        model, walked, chain, plan, plan, reused_dry_run(walked, _previous(model)),
+        replanner=REPLANNER, debug=debug, policy_fn=fn,
+    )  # fmt: skip
     return model
 
 

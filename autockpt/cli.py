@@ -149,7 +149,7 @@ def budget_arg(text: str | None) -> int | float | str | None:
     Raises:
         CommandLineError: the text is not a budget (checked here, so a typo is a usage error).
     """
-    from autockpt.units import parse_budget
+    from autockpt.plan import parse_budget
 
     if text is None:
         return None
@@ -212,7 +212,7 @@ def _plot_timeline(args: argparse.Namespace, model: nn.Module, inputs: tuple[Any
     """``profile --plot``: the predicted timeline, unwrapped and with the plan the planning
     options make; with ``--measure``, both measured beside them."""
     import autockpt
-    from autockpt.timeline import measured_curve
+    from autockpt.measure.timeline import measured_curve
 
     plan = autockpt.make_plan(
         model, _segments(args.segments), budget=budget_arg(args.budget), example_inputs=inputs,

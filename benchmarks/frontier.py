@@ -383,7 +383,7 @@ def report(case: Case, base_peak: int, rows: list[dict[str, Any]], noise: float,
         json.dumps({"model": case.title, "unwrapped_peak": base_peak, "noise": noise, "rows": rows}, indent=2)
     )
     try:
-        from autockpt.figures import pyplot, save
+        from autockpt.measure.figures import pyplot, save
     except ImportError:
         return
     plt = pyplot("frontier.py")

@@ -51,11 +51,10 @@ from torch import nn
 from tqdm import tqdm
 
 import autockpt
-from autockpt.budget_plans import describe_peak
 from autockpt.cli import budget_arg
-from autockpt.plan import Segment
+from autockpt.plan import Segment, format_bytes
 from autockpt.planners.cost_model import predict
-from autockpt.units import format_bytes
+from autockpt.planning.budget_costs import describe_peak
 
 FORMATS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
 

@@ -68,7 +68,7 @@ from torch.nn import functional
 from torch.utils._pytree import tree_leaves
 
 import autockpt
-from autockpt.tensors import static_bytes
+from autockpt.measure.tensors import static_bytes
 
 MAX_PARAMS = 40_000_000
 IMAGE_SIZES = (64, 96, 112, 128, 160, 192, 224)

@@ -141,11 +141,11 @@ def test_infeasible_budget_names_the_floor_and_the_stage() -> None:
     with pytest.raises(autockpt.PlanInfeasibleError) as info:
         run_planner(get_planner("budget", where="t"), request, where="t")
     assert info.value.min_budget_bytes == min_feasible_budget(costs)
-    assert f"is {autockpt.units.format_bytes(min_feasible_budget(costs))}" in str(info.value)
+    assert f"is {autockpt.plan.format_bytes(min_feasible_budget(costs))}" in str(info.value)
     # the top of the useful range: the step without checkpointing, so a retry needs no second call
     unwrapped = predict((Segment(0, 3, False),), costs).peak_bytes
     assert info.value.unwrapped_bytes == unwrapped
-    assert f"peaks at {autockpt.units.format_bytes(unwrapped)}" in str(info.value)
+    assert f"peaks at {autockpt.plan.format_bytes(unwrapped)}" in str(info.value)
 
 
 def test_prediction_says_where_the_peak_falls() -> None:
@@ -209,7 +209,7 @@ def test_budget_without_example_inputs_or_with_segments() -> None:
 
 @pytest.mark.parametrize("text", ["2GiB", "512MB", "1.5 gib", "1000000"])
 def test_budget_strings(text: str) -> None:
-    from autockpt.units import parse_budget
+    from autockpt.plan import parse_budget
 
     expected = {"2GiB": 2 * 2**30, "512MB": 512 * 10**6, "1.5 gib": int(1.5 * 2**30), "1000000": 10**6}
     assert parse_budget(text, unwrapped_bytes=1, where="t") == expected[text]
@@ -591,7 +591,7 @@ def test_check_measures_the_plan_and_records_the_figure() -> None:
     plan = model.forward.plan
     assert plan.budget_bytes is not None
     note = next(n for n in plan.notes if n.startswith("measured peak"))
-    assert f"for budget {autockpt.units.format_bytes(plan.budget_bytes)}" in note
+    assert f"for budget {autockpt.plan.format_bytes(plan.budget_bytes)}" in note
     assert autockpt.Plan.from_json(plan.to_json()) == plan
 
 

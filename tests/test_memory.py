@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.units import format_bytes
+from autockpt.plan import format_bytes
 
 MiB = 2**20
 

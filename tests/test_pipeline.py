@@ -297,8 +297,8 @@ def test_cli_budget_on_a_block_walked_model(capsys: pytest.CaptureFixture[str]) 
 def test_cli_reports_internal_errors_as_errors_with_exit_3(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import autockpt.planning as planning
-    from autockpt.units import parse_budget
+    import autockpt.planning.prepare as planning
+    from autockpt.plan import parse_budget
 
     # an error raised inside autockpt's own code (parse_budget rejects the text)
     def broken(*args: object, **kwargs: object) -> object:
@@ -525,7 +525,7 @@ def test_a_block_profile_follows_the_order_the_blocks_run_in() -> None:
     """Profiled in the module tree's order, the step's windows went to the wrong stages and
     the backward was replayed in the wrong order: the unwrapped step predicted 5.8% low
     (NOTE [Blocks in the order they run])."""
-    from autockpt.budget_plans import predict_plan
+    from autockpt.planning.budget_costs import predict_plan
 
     torch.manual_seed(0)
     model, x = HeadsOutOfOrder(), torch.randn(256, 64)

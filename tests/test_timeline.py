@@ -11,9 +11,9 @@ from torch import nn
 
 import autockpt
 from autockpt.measure.step import measure_step
+from autockpt.measure.timeline import measured_curve
+from autockpt.plan import format_bytes
 from autockpt.planners.cost_model import memory_events
-from autockpt.timeline import measured_curve
-from autockpt.units import format_bytes
 
 MIB = 2**20
 

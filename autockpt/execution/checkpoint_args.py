@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from autockpt.chain import Stage
+from autockpt.walkers.chain import Stage
 
 __all__ = ["device_hints", "may_use_rng", "rng_free_modules"]
 

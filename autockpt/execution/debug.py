@@ -44,8 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointError
 
-from autockpt.chain import Stage
 from autockpt.errors import AutockptError
+from autockpt.walkers.chain import Stage
 
 __all__ = ["OpRecorder", "RecomputeMismatchError", "output_metadata", "run_stage", "stage_mismatch"]
 

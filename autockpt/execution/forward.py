@@ -3,7 +3,7 @@
 NOTE [The one-time dry run]
     Whether a module modifies its input in place cannot always be read off its
     attributes, so autockpt runs the model's modules once on a real input and watches
-    tensor version counters (see NOTE [In-place boundaries] in ``chain.py``). With
+    tensor version counters (see NOTE [In-place boundaries] in ``walkers/chain.py``). With
     ``example_inputs`` this happens at planning time; without, on the first forward pass
     that records gradients. The dry run is invisible: buffers and RNG are restored and
     :func:`autockpt.is_recomputing` is true during it. If it finds a module that the
@@ -16,31 +16,41 @@ import dataclasses
 import logging
 import pickle
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from autockpt.caches import cache_switch, without_caches, without_model_cache
-from autockpt.chain import Chain, DryRun, Unit, build_chain
 from autockpt.errors import AutockptError
 from autockpt.execution.policies import OpPolicy
 from autockpt.execution.runtime import SegmentRuntime, build_runtime, checkpoint_segment, run_segments
 from autockpt.measure.dry_run import probe_units
+from autockpt.measure.sandbox import dry_run_state
 from autockpt.plan import Plan
-from autockpt.planners import available_planners
-from autockpt.planning import SegmentsSpec, build_plan
-from autockpt.sandbox import dry_run_state
+from autockpt.planning.prepare import SegmentsSpec
 from autockpt.walkers import Walked, walk
 from autockpt.walkers.blocks import BlockCall
+from autockpt.walkers.chain import Chain, DryRun, Unit, build_chain
 from autockpt.walkers.graph import UnbindableError, none_pattern
+from autockpt.walkers.kv_caches import cache_switch, without_caches, without_model_cache
 
 __all__ = ["BlockForward", "CheckpointedForward", "install", "installed", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
 _HOOKED = "hooks were added to a module it went through"
+
+
+class Replanning(Protocol):
+    """Makes the plan again when the chain changes under an installed forward
+    (``autockpt.planning.prepare.Replanner``, handed over by ``auto_checkpoint``)."""
+
+    def after_walk(
+        self, chain: Chain, spec: SegmentsSpec, *, why: str, model: str
+    ) -> tuple[Plan, SegmentsSpec]: ...
+
+    def after_dry_run(self, chain: Chain, spec: SegmentsSpec, *, notes: Sequence[str]) -> Plan: ...
 
 
 class BlockForward:
@@ -88,10 +98,12 @@ class CheckpointedForward:
         spec: SegmentsSpec,
         probe: DryRun | None,
         original_forward: Callable[..., Any] | None,
+        replanner: Replanning,
         debug: bool = False,
         policy_fn: OpPolicy | None = None,
     ) -> None:
         self.model = model
+        self.replanner = replanner
         self.debug = debug
         self.policy_fn = policy_fn  # the function behind plan.policy (execution/policies.py)
         self.walked = walked
@@ -134,7 +146,7 @@ class CheckpointedForward:
         """Give checkpointed blocks their own forward back.
 
         The blocks are found from the plan's runtime, not from a list kept on the side, so
-        a forward put back by ``verify`` (``autockpt.sandbox.preserved``) is still found.
+        a forward put back by ``verify`` (``autockpt.measure.sandbox.preserved``) is still found.
         """
         for rt, call in self._block_runtimes():
             fwd = call.block.__dict__.get("forward")
@@ -150,7 +162,7 @@ class CheckpointedForward:
 
     def _training_blocks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A block-walked model's call: its blocks checkpoint themselves; no cache is built
-        while it trains (NOTE [No cache built while training] in ``caches.py``)."""
+        while it trains (NOTE [No cache built while training] in ``walkers/kv_caches.py``)."""
         if self.model.training:
             if self._cache_switch is False:
                 plain = self.original_forward or type(self.model).forward.__get__(self.model)
@@ -221,19 +233,7 @@ class CheckpointedForward:
         self.walked, self.probe = walked, None
         chain = build_chain(walked.walker, walked.units)
         spec = self.spec if self.spec is not None and not isinstance(self.spec, Plan) else self.plan.strategy
-        name = spec.strip().lower() if isinstance(spec, str) else None
-        if name is not None and not name.isdigit() and (name == "budget" or name not in available_planners()):
-            # a given Plan or a budget plan's stages are gone, and a budget needs inputs to profile
-            warnings.warn(
-                f"auto_checkpoint: {type(self.model).__name__} was walked again ({why}), so its "
-                f"plan ({spec}) no longer matches its stages; it is checkpointed with "
-                f"segments='sqrt' from now on. For a budget, call auto_checkpoint(model, budget=..., "
-                f"example_inputs=...) again with inputs like this call's, after adding hooks.",
-                UserWarning,
-                stacklevel=4,
-            )
-            spec = self.spec = "sqrt"
-        plan = build_plan(chain, _respec(spec, len(chain.stages)), where="auto_checkpoint")
+        plan, self.spec = self.replanner.after_walk(chain, spec, why=why, model=type(self.model).__name__)
         self.plan = dataclasses.replace(plan, policy=self.plan.policy)
         self._bind(chain)
 
@@ -252,21 +252,10 @@ class CheckpointedForward:
                 f"Make the plan with autockpt.make_plan(model, example_inputs=(x,))."
             )
         # Re-plan with what the dry run found: fused stages and boundary sizes.
-        spec = self.spec
-        n = len(chain.stages)
-        if isinstance(spec, int) and spec > n:
-            warnings.warn(
-                f"auto_checkpoint: the dry run fused modules that modify their input in place, "
-                f"leaving {n} stages, so segments={spec} becomes segments={n}. Pass "
-                f"example_inputs=(x,) to auto_checkpoint to see the real stage count up front.",
-                UserWarning,
-                stacklevel=4,
-            )
-            spec = n
-        plan = build_plan(chain, spec, where="auto_checkpoint", notes=self.walked.notes)
+        plan = self.replanner.after_dry_run(chain, self.spec, notes=self.walked.notes)
         plan = dataclasses.replace(plan, policy=self.plan.policy)
         if plan != self.plan:
-            logger.info("autockpt: re-planned %r after the dry run", spec)
+            logger.info("autockpt: re-planned %r after the dry run", self.spec)
             self.plan = plan
             self._bind(chain)
 
@@ -279,13 +268,6 @@ class CheckpointedForward:
             except Exception:  # a lambda or local function: keep the plan, drop the recipe
                 state["spec"] = None
         return state
-
-
-def _respec(spec: SegmentsSpec, n: int) -> SegmentsSpec:
-    """A strategy recorded as text ("3", "sqrt") back as an argument, clamped to ``n``."""
-    if isinstance(spec, str) and spec.isdigit():
-        spec = int(spec)
-    return min(spec, n) if isinstance(spec, int) else spec
 
 
 def installed(model: nn.Module) -> CheckpointedForward | None:
@@ -315,11 +297,13 @@ def install(
     spec: SegmentsSpec,
     probe: DryRun | None,
     *,
+    replanner: Replanning,
     debug: bool = False,
     policy_fn: OpPolicy | None = None,
 ) -> None:
     """Install a :class:`CheckpointedForward` for ``plan`` on ``model``, replacing any earlier one.
 
+    ``replanner`` makes the plan again if the chain changes (a walk again, the first dry run);
     ``debug`` compares every op of each recompute with the forward (``auto_checkpoint(debug=)``);
     ``policy_fn`` is the function of ``plan.policy``.
     """
@@ -328,5 +312,5 @@ def install(
         previous.remove_blocks()
     original = previous.original_forward if previous is not None else model.__dict__.get("forward")
     model.__dict__["forward"] = CheckpointedForward(
-        model, walked, chain, plan, spec, probe, original, debug, policy_fn
+        model, walked, chain, plan, spec, probe, original, replanner, debug, policy_fn
     )

@@ -12,10 +12,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from autockpt.chain import Stage
 from autockpt.errors import MutationError
-from autockpt.walkers.blocks import BlockCall
-from autockpt.walkers.graph import GraphPiece
+from autockpt.walkers.chain import Stage
 
 __all__ = ["HookState", "hook_error", "hook_state", "hooked_modules"]
 
@@ -33,13 +31,7 @@ def hooked_modules(stages: Sequence[Stage], named: NamedModules) -> tuple[tuple[
     checkpoint, once per step) and the modules a graph trace went through (their code is
     inlined in the trace, their hooks never run; adding one makes the next call trace again).
     """
-    outside: set[int] = set()
-    for stage in stages:
-        for unit in stage.units:
-            if isinstance(unit.fn, BlockCall):
-                outside.add(id(unit.fn.block))
-            elif isinstance(unit.fn, GraphPiece):
-                outside.update(id(m) for m in unit.fn.program.traced_through)
+    outside = {id(m) for stage in stages for unit in stage.units for m in unit.hooks_outside}
     return tuple((name, m) for name, m in named if id(m) not in outside)
 
 

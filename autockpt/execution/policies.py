@@ -44,7 +44,7 @@ from torch.utils.checkpoint import (
 )
 
 from autockpt.errors import AutockptError
-from autockpt.tensors import storage_key, written_storages
+from autockpt.measure.tensors import storage_key, written_storages
 
 __all__ = [
     "OpPolicy",

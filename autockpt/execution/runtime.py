@@ -90,16 +90,22 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import noop_context_fn
 
-from autockpt.chain import Stage, Unit
 from autockpt.errors import MutationError
 from autockpt.execution.checkpoint_args import device_hints, may_use_rng, rng_free_modules
 from autockpt.execution.debug import OpRecorder, output_metadata, run_stage, stage_mismatch
 from autockpt.execution.hooks import HookState, hook_error, hook_state, hooked_modules
 from autockpt.execution.lean_checkpoint import lean_applies, lean_checkpoint
 from autockpt.execution.policies import OpPolicy, SelectiveRecompute
+from autockpt.measure.sandbox import (
+    BufferSlot,
+    buffer_slots,
+    private_copies,
+    put_buffers,
+    read_buffers,
+    recomputing,
+)
 from autockpt.plan import Segment
-from autockpt.sandbox import recomputing
-from autockpt.walkers.graph import GraphPiece
+from autockpt.walkers.chain import Stage, Unit
 
 __all__ = [
     "SegmentRuntime",
@@ -110,8 +116,6 @@ __all__ = [
     "run_segments",
 ]
 
-BufferSlot = tuple[nn.Module, str]
-
 # The guard reads these for every tensor and module of a segment on every call; mapped in C
 # rather than looped in Python: on small layers every microsecond of a call shows.
 _VERSION = operator.attrgetter("_version")
@@ -121,17 +125,10 @@ _CPU = torch.device("cpu")
 
 def segment_buffers(stages: Sequence[Stage]) -> tuple[BufferSlot, ...]:
     """Every (module, buffer name) slot reachable from the stages, each once."""
-    seen: set[tuple[int, str]] = set()
-    out: list[BufferSlot] = []
-    for stage in stages:
-        for unit in stage.units:
-            for module in (*(m for top in unit.modules for m in top.modules()), *unit.reads):
-                for name in module._buffers:
-                    key = (id(module), name)
-                    if key not in seen:
-                        seen.add(key)
-                        out.append((module, name))
-    return tuple(out)
+    return buffer_slots(
+        m for stage in stages for unit in stage.units
+        for m in (*(m for top in unit.modules for m in top.modules()), *unit.reads)
+    )  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -288,9 +285,9 @@ class _SegmentCall:
             out, self.old = self._body(x), {}
             self._remember_state(self.old)
             return out
-        before = [module._buffers.get(name) for module, name in rt.buffers]
+        before = read_buffers(rt.buffers)
         versions = [t._version if t is not None else 0 for t in before]
-        clones = _private_copies(before)
+        clones = private_copies(before)
         if rt.debug:
             self.recorder = OpRecorder(rt.description)
             with self.recorder:
@@ -395,10 +392,9 @@ class _SegmentCall:
         if not rt.buffers and self.recorder is None:
             with recomputing():
                 return self._body(x)
-        live = [module._buffers.get(name) for module, name in rt.buffers]
+        live = read_buffers(rt.buffers)
         seen = [old[i] if i in old else t for i, t in enumerate(live)]  # what the forward saw
-        for (module, name), t in zip(rt.buffers, _private_copies(seen)):
-            module._buffers[name] = t
+        put_buffers(rt.buffers, private_copies(seen))
         try:
             with recomputing():
                 if self.recorder is None:
@@ -406,16 +402,7 @@ class _SegmentCall:
                 with OpRecorder(rt.description, self.recorder.ops):
                     return self._body(x)
         finally:
-            for (module, name), t in zip(rt.buffers, live):
-                module._buffers[name] = t
-
-
-def _private_copies(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """A clone of each tensor, one per distinct tensor, so that a buffer registered in two
-    modules stays one tensor in the copies too."""
-    clones = {id(t): t for t in tensors if t is not None}
-    clones = {k: t.clone() for k, t in clones.items()}
-    return [clones[id(t)] if t is not None else None for t in tensors]
+            put_buffers(rt.buffers, live)
 
 
 def _named_modules(stages: Sequence[Stage]) -> tuple[tuple[str, nn.Module], ...]:
@@ -436,8 +423,8 @@ def _named_modules(stages: Sequence[Stage]) -> tuple[tuple[str, nn.Module], ...]
 
 def _top_name(unit: Unit, top: nn.Module, roots: dict[int, dict[int, str]]) -> str:
     """The qualified name of one of ``unit``'s modules."""
-    if isinstance(unit.fn, GraphPiece):
-        model = unit.fn.program.model
+    model = unit.names_root
+    if model is not None:
         names = roots.setdefault(id(model), {})
         if not names:
             names.update((id(m), n) for n, m in reversed(list(model.named_modules())))

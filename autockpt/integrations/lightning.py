@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autockpt.api import auto_checkpoint, restore
-from autockpt.planning import SegmentsSpec
+from autockpt.planning.prepare import SegmentsSpec
 
 __all__ = ["AutoCheckpoint"]
 

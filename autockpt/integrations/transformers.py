@@ -10,7 +10,7 @@ NOTE [Never two checkpointings]
 
 NOTE [Caches while training]
     Hugging Face's checkpointing also sets ``use_cache=False`` for the layers it wraps; the
-    checkpointed blocks here do the same per call (``caches.py``). ``enable`` also
+    checkpointed blocks here do the same per call (``walkers/kv_caches.py``). ``enable`` also
     sets ``model.config.use_cache = False`` while training, so no cache is built for layers
     that are not checkpointed either (what Hugging Face's forward does when its checkpointing
     is on), and ``disable`` puts the old value back.
@@ -27,7 +27,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from autockpt.api import auto_checkpoint, restore
-from autockpt.planning import SegmentsSpec
+from autockpt.planning.prepare import SegmentsSpec
 
 __all__ = ["AutoCheckpointCallback", "disable", "enable", "hf_checkpointing"]
 

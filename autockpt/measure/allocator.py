@@ -8,7 +8,7 @@ memory viewer draws. Sessions nest: a session opened inside another sees its own
 the outer one sees them too. A :func:`AllocatorSession.mark` leaves a marker (``MARK``) in
 the list, so one session can be cut into windows (``autockpt.measure.memory.Windows``).
 Every delta comes with the time it happened (``AllocatorSession.times``), for a curve of
-memory through time (``autockpt.timeline``).
+memory through time (``autockpt.measure.timeline``).
 
 Nothing here resets a statistic: ``torch.cuda.max_memory_allocated`` and
 ``reset_peak_memory_stats`` stay the caller's.

@@ -7,7 +7,7 @@ So the model runs one training step here, with three things added for the durati
 
 * every block runs under ``torch.utils.checkpoint``, so the step holds little more than the
   blocks' inputs (it never needs more memory than the unwrapped step), and without a
-  key/value cache, as checkpointed blocks run (:mod:`autockpt.caches`: measuring a block
+  key/value cache, as checkpointed blocks run (:mod:`autockpt.walkers.kv_caches`: measuring a block
   alone and then running it would otherwise append to the model's cache twice);
 * the first time a block is called, it is first measured alone on the inputs the model hands
   it (:func:`~autockpt.measure.profiling.measured_stage_in`, inputs requiring gradients
@@ -84,15 +84,12 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
-from autockpt.caches import without_caches
-from autockpt.chain import Chain
 from autockpt.errors import AutockptError
 from autockpt.measure.losses import default_loss
 from autockpt.measure.memory import Windows
 from autockpt.measure.profiling import Profile, StageTimes, measured_stage_in
-from autockpt.planners import StageCost
-from autockpt.sandbox import preserved, recomputing
-from autockpt.tensors import (
+from autockpt.measure.sandbox import preserved, recomputing
+from autockpt.measure.tensors import (
     arguments_key,
     device_of,
     requiring_grad,
@@ -102,6 +99,9 @@ from autockpt.tensors import (
     storage_sizes,
     tensors_in,
 )
+from autockpt.planners import StageCost
+from autockpt.walkers.chain import Chain
+from autockpt.walkers.kv_caches import without_caches
 
 __all__ = ["STEP_ATTEMPTS", "profile_blocks"]
 

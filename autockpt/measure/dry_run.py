@@ -1,9 +1,9 @@
 """The dry run: run a chain's units once to learn what no attribute says.
 
 Which units write into their input in place (no segment boundary may sit in front of them,
-NOTE [In-place boundaries] in ``chain.py``), how many bytes each unit's input holds (what a
+NOTE [In-place boundaries] in ``walkers/chain.py``), how many bytes each unit's input holds (what a
 checkpoint starting there keeps) and how many bytes each unit saves for backward. Callers
-run it inside :func:`autockpt.sandbox.dry_run_state`, so buffers and the RNG are untouched.
+run it inside :func:`autockpt.measure.sandbox.dry_run_state`, so buffers and the RNG are untouched.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.chain import DryRun, Unit
-from autockpt.sandbox import dry_run_state
-from autockpt.tensors import (
+from autockpt.measure.sandbox import dry_run_state
+from autockpt.measure.tensors import (
     cloned,
     detached,
     requiring_grad,
@@ -26,6 +25,7 @@ from autockpt.tensors import (
     tensors_in,
 )
 from autockpt.walkers import Walked
+from autockpt.walkers.chain import DryRun, Unit
 
 __all__ = ["dry_run", "probe_units"]
 

@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from autockpt.measure.memory import Windows
-from autockpt.sandbox import dry_run_state
-from autockpt.tensors import device_of, requiring_grad
+from autockpt.measure.sandbox import dry_run_state
+from autockpt.measure.tensors import device_of, requiring_grad
 
 __all__ = ["LossFn", "default_loss", "measure_loss", "step_loss"]
 

@@ -44,8 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autockpt.measure.allocator import MARK, AllocatorSession, open_session
-from autockpt.tensors import device_of, storage_key
-from autockpt.units import format_bytes
+from autockpt.measure.tensors import device_of, storage_key
+from autockpt.plan import format_bytes
 
 __all__ = ["MemoryStats", "StorageTracker", "Windows", "peak_and_net", "track_memory"]
 

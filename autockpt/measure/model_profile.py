@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.chain import Chain, build_chain
 from autockpt.measure.blocks import profile_blocks
 from autockpt.measure.dry_run import dry_run
 from autockpt.measure.losses import LossFn, measure_loss
 from autockpt.measure.profiling import Profile, profile_chain
-from autockpt.tensors import as_args, signature, static_bytes
+from autockpt.measure.tensors import as_args, signature, static_bytes
 from autockpt.walkers import Walked, walk
+from autockpt.walkers.chain import Chain, build_chain
 from autockpt.walkers.graph import none_pattern
 
 __all__ = ["model_profile", "profile"]

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autockpt.measure.tensors import requiring_grad, storage_key, storage_sizes, tensors_in, written_storages
 from autockpt.measure.timing import NOMINAL_BYTES_PER_MS, NOMINAL_FLOPS_PER_MS
 from autockpt.planners import OpCost
-from autockpt.tensors import requiring_grad, storage_key, storage_sizes, tensors_in, written_storages
 
 __all__ = ["measure_ops", "op_name"]
 

@@ -31,16 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.chain import Chain
 from autockpt.measure.dispatch import selective_dispatch_ms
 from autockpt.measure.memory import Windows
 from autockpt.measure.ops import measure_ops
-from autockpt.measure.timing import StageRun, nominal_times, stage_times
-from autockpt.plan import Plan, Segment
-from autockpt.planners import OpCost, StageCost
-from autockpt.planners.cost_model import memory_events
-from autockpt.sandbox import dry_run_state
-from autockpt.tensors import (
+from autockpt.measure.sandbox import dry_run_state
+from autockpt.measure.tensors import (
     cloned,
     device_of,
     requiring_grad,
@@ -49,8 +44,12 @@ from autockpt.tensors import (
     storage_sizes,
     tensors_in,
 )
-from autockpt.timeline import Curve, MemoryTimeline, predicted_curve
-from autockpt.units import format_bytes
+from autockpt.measure.timeline import Curve, MemoryTimeline, predicted_curve
+from autockpt.measure.timing import StageRun, nominal_times, stage_times
+from autockpt.plan import Plan, Segment, format_bytes
+from autockpt.planners import OpCost, StageCost
+from autockpt.planners.cost_model import memory_events
+from autockpt.walkers.chain import Chain
 
 __all__ = ["Profile", "StageRun", "StageTimes", "measured_stage_in", "profile_chain"]
 
@@ -113,7 +112,7 @@ class Profile:
 
     def timeline(self, plan: Plan | None = None, *, measured: Sequence[Curve] = ()) -> MemoryTimeline:
         """Predicted memory through one training step, unwrapped and (given) with ``plan``,
-        plus any ``measured`` curves (:func:`autockpt.timeline.measured_curve`)."""
+        plus any ``measured`` curves (:func:`autockpt.measure.timeline.measured_curve`)."""
         curves = []
         plans: list[tuple[str, Sequence[Segment]]] = [("unwrapped", (Segment(0, len(self.costs), False),))]
         if plan is not None:

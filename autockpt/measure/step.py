@@ -2,7 +2,7 @@
 
 ``verify`` runs it on the unwrapped and the checkpointed model and compares what it
 returns; ``auto_checkpoint(..., check=True)`` uses :func:`measure_step` to hold a plan to its
-budget. Both leave the model exactly as it was (``autockpt.sandbox.preserved``).
+budget. Both leave the model exactly as it was (``autockpt.measure.sandbox.preserved``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch.utils._pytree import tree_leaves
 
 from autockpt.measure.losses import LossFn, step_loss
 from autockpt.measure.memory import MemoryStats, track_memory
-from autockpt.sandbox import preserved, recomputing
-from autockpt.tensors import device_of, requiring_grad, static_bytes
+from autockpt.measure.sandbox import preserved, recomputing
+from autockpt.measure.tensors import device_of, requiring_grad, static_bytes
 
 __all__ = ["StepResult", "measure_step", "run_step"]
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.tensors import detached, requiring_grad, storage_bytes, tensors_in
+from autockpt.measure.tensors import detached, requiring_grad, storage_bytes, tensors_in
 
 __all__ = [
     "NOMINAL_BYTES_PER_MS",

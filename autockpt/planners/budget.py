@@ -46,12 +46,11 @@ import math
 from collections.abc import Sequence
 
 from autockpt.errors import PlanInfeasibleError
-from autockpt.plan import Segment
+from autockpt.plan import Segment, format_bytes
 from autockpt.planners.budget_fronts import Front, Offers, start
 from autockpt.planners.budget_grid import EXACT_UP_TO, longest_segment, merge_plain, solve_on_grid
 from autockpt.planners.cost_model import CostModel, KeptOp, keepable_ops, predict
 from autockpt.planners.registry import PlanRequest, StageCost, register_planner
-from autockpt.units import format_bytes
 
 __all__ = ["EXACT_UP_TO", "budget_planner", "min_feasible_budget"]
 

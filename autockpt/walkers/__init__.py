@@ -29,9 +29,9 @@ from typing import Any
 
 from torch import nn
 
-from autockpt.chain import Unit
 from autockpt.errors import AutockptError
 from autockpt.walkers.blocks import block_unit, find_blocks
+from autockpt.walkers.chain import Unit
 from autockpt.walkers.graph import GraphProgram, UntraceableError, none_pattern, trace_program, units_of
 from autockpt.walkers.sequential import flattened_changed, is_sequential_model, sequential_units
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from autockpt.chain import Unit
+from autockpt.walkers.chain import Unit
 from autockpt.walkers.sequential import INSTALLED_MARK
 
 __all__ = ["BlockCall", "block_unit", "find_blocks"]
@@ -94,4 +94,4 @@ def block_unit(name: str, block: nn.Module) -> Unit:
     if getattr(previous, INSTALLED_MARK, False):  # planned again: call what was there before us
         call = getattr(previous, "call", None)
         previous = call.original if isinstance(call, BlockCall) else None
-    return Unit(name, BlockCall(block, previous), (block,), type(block).__name__)
+    return Unit(name, BlockCall(block, previous), (block,), type(block).__name__, hooks_outside=(block,))

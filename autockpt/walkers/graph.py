@@ -6,7 +6,7 @@ point of the data flow, e.g. between residual blocks). Values that every later p
 read without costing extra memory do not count: model inputs, parameters, values computed
 from those alone by plain functions (attention masks, position ids), and values whose only
 reader is the model's output (auxiliary logits). Nodes between two candidate cuts form one
-:class:`~autockpt.chain.Unit`, so glue code (residual adds, reshapes, ``getitem``) stays with
+:class:`~autockpt.walkers.chain.Unit`, so glue code (residual adds, reshapes, ``getitem``) stays with
 the block that owns it.
 
 At run time the value carried from unit to unit is a dict of the live values by node name,
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autockpt.chain import Unit
+from autockpt.walkers.chain import Unit
 from autockpt.walkers.graph_nodes import (
     META_METHODS,
     PURE_FUNCTIONS,
@@ -226,7 +226,7 @@ class GraphProgram:
 
         A block whose code starts with ``torch.relu_(x)`` writes into its input; a checkpoint
         starting there would keep a tensor that is then changed, so the dry run would fuse
-        the block with the one before (NOTE [In-place boundaries] in ``chain.py``), and a
+        the block with the one before (NOTE [In-place boundaries] in ``walkers/chain.py``), and a
         stack of such blocks would become one stage. The write runs at the same moment
         either way; after the move it ends the previous piece and the checkpoint keeps
         its result.
@@ -383,6 +383,8 @@ def units_of(program: GraphProgram) -> tuple[Unit, ...]:
                 mutates_input=program.mutates_before(start, stop),
                 pure=program.piece_pure(start, stop),
                 reads=program.piece_reads(start, stop),
+                hooks_outside=program.traced_through,
+                names_root=program.model,
             )
         )
     return tuple(_unique_names(units))

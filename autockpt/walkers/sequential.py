@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from autockpt.chain import Unit
 from autockpt.errors import AutockptError
+from autockpt.walkers.chain import Unit
 from autockpt.walkers.graph_nodes import has_hooks
 
 __all__ = ["flattened_changed", "is_sequential_model", "sequential_units"]

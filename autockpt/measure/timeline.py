@@ -19,13 +19,13 @@ from typing import Any
 
 from torch import nn
 
-from autockpt.figures import pyplot, save
 from autockpt.measure.allocator import MARK, open_session
+from autockpt.measure.figures import pyplot, save
 from autockpt.measure.losses import LossFn, step_loss
+from autockpt.measure.sandbox import preserved, recomputing
+from autockpt.measure.tensors import device_of, static_bytes
+from autockpt.plan import format_bytes
 from autockpt.planners.cost_model import MemoryEvent
-from autockpt.sandbox import preserved, recomputing
-from autockpt.tensors import device_of, static_bytes
-from autockpt.units import format_bytes
 
 __all__ = ["Curve", "MemoryTimeline", "measured_curve", "predicted_curve"]
 

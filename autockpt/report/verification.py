@@ -21,12 +21,11 @@ from autockpt.errors import AutockptError
 from autockpt.execution.forward import installed, uninstall
 from autockpt.execution.policies import OpPolicy
 from autockpt.measure.losses import LossFn
+from autockpt.measure.sandbox import preserved
 from autockpt.measure.step import StepResult, run_step
-from autockpt.plan import Plan
-from autockpt.planning import SegmentsSpec
-from autockpt.sandbox import preserved
-from autockpt.tensors import as_args
-from autockpt.units import format_bytes
+from autockpt.measure.tensors import as_args
+from autockpt.plan import Plan, format_bytes
+from autockpt.planning.prepare import SegmentsSpec
 
 __all__ = ["VerifyReport", "verify"]
 

@@ -5,7 +5,7 @@ in the chain's stages.
 ``budget=`` into bytes; :func:`budget_segments` runs the ``"budget"`` planner on that
 profile, with a named policy's ops or ``policy="auto"``'s op choice (NOTE [Budgets under a
 policy]), and maps a block-walked profile's segments back to the blocks.
-:func:`autockpt.planning.build_plan` turns its answer into the Plan.
+:func:`autockpt.planning.prepare.build_plan` turns its answer into the Plan.
 """
 
 from __future__ import annotations
@@ -18,17 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.chain import Chain
 from autockpt.errors import PlanInfeasibleError
 from autockpt.measure.losses import LossFn
 from autockpt.measure.model_profile import model_profile
 from autockpt.measure.profiling import Profile
-from autockpt.plan import Plan, Segment
+from autockpt.plan import Plan, Segment, format_bytes, parse_budget
 from autockpt.planners import PlanRequest, get_planner, run_planner
 from autockpt.planners.budget import EXACT_UP_TO
 from autockpt.planners.cost_model import predict
-from autockpt.units import format_bytes, parse_budget
 from autockpt.walkers import Walked
+from autockpt.walkers.chain import Chain
 
 __all__ = [
     "PLANNING_REPEATS",

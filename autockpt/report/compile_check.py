@@ -23,8 +23,8 @@ from torch.utils._pytree import tree_flatten
 from autockpt.errors import AutockptError
 from autockpt.execution.forward import installed
 from autockpt.execution.runtime import compiled_body, run_body
-from autockpt.sandbox import dry_run_state
-from autockpt.tensors import as_args
+from autockpt.measure.sandbox import dry_run_state
+from autockpt.measure.tensors import as_args
 
 __all__ = ["GraphBreak", "find_graph_breaks"]
 

@@ -27,20 +27,20 @@ from typing import Any
 
 from torch import nn
 
-from autockpt.budget_plans import BudgetCosts, OpPolicy, budget_costs, budget_segments, policy_masks
-from autockpt.chain import Chain, DryRun, Unit, build_chain
 from autockpt.errors import AutockptError
 from autockpt.measure.dry_run import dry_run
 from autockpt.measure.losses import LossFn
-from autockpt.plan import Plan, Segment, StageFigures
-from autockpt.planners import Planner, PlanRequest, get_planner, run_planner
+from autockpt.measure.tensors import as_args
+from autockpt.plan import Plan, Segment, StageFigures, format_bytes
+from autockpt.planners import Planner, PlanRequest, available_planners, get_planner, run_planner
 from autockpt.planners.basic import estimated_peak, uniform_plan
-from autockpt.tensors import as_args
-from autockpt.units import format_bytes
+from autockpt.planning.budget_costs import BudgetCosts, OpPolicy, budget_costs, budget_segments, policy_masks
 from autockpt.walkers import Walked, walk
+from autockpt.walkers.chain import Chain, DryRun, Unit, build_chain
 from autockpt.walkers.graph import none_pattern
 
 __all__ = [
+    "Replanner",
     "SegmentsSpec",
     "build_plan",
     "prepare",
@@ -71,7 +71,7 @@ def prepare(
     finds the same units and no example inputs are given. ``policy`` names the op policy the
     plan carries (a given Plan keeps its own when it is ``None``); ``policy_fn`` is its
     function, whose kept outputs a budget plan counts (NOTE [Budgets under a policy] in
-    ``budget_plans.py``).
+    ``planning/budget_costs.py``).
     """
     _check_arguments(segments, budget, example_inputs, example_kwargs, loss_fn, where)
     choose_ops = policy == "auto" and not isinstance(segments, Plan)
@@ -346,3 +346,51 @@ def _fusion_notes(chain: Chain) -> list[str]:
     if not fused:
         return []
     return [f"fused with their predecessor (in-place input): {', '.join(fused)}"]
+
+
+class Replanner:
+    """Plans again for a checkpointed forward whose stages changed under it.
+
+    The installed forward (``execution/forward.py``) runs plans and never makes one: when a
+    walk again (hooks added where the walk went through, other optional arguments) or the
+    first dry run (in-place modules fused) changes the chain, it asks this object, which
+    ``auto_checkpoint`` hands it, for the new plan.
+    """
+
+    def after_walk(
+        self, chain: Chain, spec: SegmentsSpec, *, why: str, model: str
+    ) -> tuple[Plan, SegmentsSpec]:
+        """The plan for a new walk's chain with the same strategy, and the strategy kept from
+        now on: a budget or a given plan's stages are gone (a budget needs inputs to
+        profile), so those become ``"sqrt"``, with a warning."""
+        name = spec.strip().lower() if isinstance(spec, str) else None
+        if name is not None and not name.isdigit() and (name == "budget" or name not in available_planners()):
+            warnings.warn(
+                f"auto_checkpoint: {model} was walked again ({why}), so its "
+                f"plan ({spec}) no longer matches its stages; it is checkpointed with "
+                f"segments='sqrt' from now on. For a budget, call auto_checkpoint(model, budget=..., "
+                f"example_inputs=...) again with inputs like this call's, after adding hooks.",
+                UserWarning,
+                stacklevel=6,
+            )
+            spec = "sqrt"
+        if isinstance(spec, str) and spec.isdigit():  # a strategy recorded as text ("3")
+            spec = int(spec)
+        n = len(chain.stages)
+        return build_plan(
+            chain, min(spec, n) if isinstance(spec, int) else spec, where="auto_checkpoint"
+        ), spec
+
+    def after_dry_run(self, chain: Chain, spec: SegmentsSpec, *, notes: Sequence[str]) -> Plan:
+        """The plan for the chain the first dry run found (fused stages, boundary sizes)."""
+        n = len(chain.stages)
+        if isinstance(spec, int) and spec > n:
+            warnings.warn(
+                f"auto_checkpoint: the dry run fused modules that modify their input in place, "
+                f"leaving {n} stages, so segments={spec} becomes segments={n}. Pass "
+                f"example_inputs=(x,) to auto_checkpoint to see the real stage count up front.",
+                UserWarning,
+                stacklevel=6,
+            )
+            spec = n
+        return build_plan(chain, spec, where="auto_checkpoint", notes=notes)

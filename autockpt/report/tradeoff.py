@@ -25,15 +25,14 @@ import torch
 from torch import nn
 
 from autockpt.api import apply_plan
-from autockpt.budget_plans import budget_costs, predict_plan
 from autockpt.errors import PlanInfeasibleError
-from autockpt.figures import pyplot, save
+from autockpt.measure.figures import pyplot, save
 from autockpt.measure.losses import LossFn, default_loss
 from autockpt.measure.step import measure_step
-from autockpt.plan import Plan
-from autockpt.planning import SegmentsSpec, build_plan, walk_and_dry_run
-from autockpt.tensors import as_args
-from autockpt.units import format_bytes
+from autockpt.measure.tensors import as_args
+from autockpt.plan import Plan, format_bytes
+from autockpt.planning.budget_costs import budget_costs, predict_plan
+from autockpt.planning.prepare import SegmentsSpec, build_plan, walk_and_dry_run
 
 __all__ = ["Tradeoff", "TradeoffPoint", "tradeoff"]
 

@@ -44,6 +44,13 @@ class Unit:
             them (``self.alpha`` in a block's code, fx ``get_attr``). Only their own tensors
             belong to the unit, not their submodules': those may run in another segment,
             which changes their buffers after this one's forward.
+        hooks_outside: modules whose forward hooks do not run inside the unit's call, so
+            the mutation guard leaves them out: a block's own (its ``__call__`` runs around
+            the checkpoint) and those a graph trace went through (never called).
+        names_root: the module whose qualified names name the unit's modules (a traced
+            model), or ``None``: they are named from the unit's own name.
+
+    The execution layer reads these fields, never the walker's types.
     """
 
     name: str
@@ -53,6 +60,8 @@ class Unit:
     mutates_input: bool = False
     pure: bool = True
     reads: tuple[nn.Module, ...] = ()
+    hooks_outside: tuple[nn.Module, ...] = ()
+    names_root: nn.Module | None = None
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters the unit uses: all of ``modules``' and ``reads``' own ones."""

@@ -12,23 +12,25 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from autockpt.tensors import tensors_in
+from autockpt.measure.tensors import tensors_in
 
 __all__ = [
-    "BufferState",
+    "BufferSlot",
+    "RngState",
     "buffer_slots",
     "dry_run_state",
-    "install_buffer_clones",
     "is_recomputing",
     "preserved",
+    "private_copies",
+    "put_buffers",
+    "read_buffers",
     "recomputing",
-    "reinstall_buffers",
 ]
 
 _local = threading.local()
@@ -65,24 +67,58 @@ class recomputing:  # noqa: N801 (used as a function: ``with recomputing():``)
         _local.depth -= 1
 
 
-BufferState = list[tuple[nn.Module, str, "torch.Tensor | None"]]
+BufferSlot = tuple[nn.Module, str]
 
 
-def buffer_slots(model: nn.Module) -> BufferState:
-    """Every buffer slot of ``model`` with the tensor it holds now."""
-    return [(m, n, t) for m in model.modules() for n, t in m._buffers.items()]
+def buffer_slots(modules: Iterable[nn.Module]) -> tuple[BufferSlot, ...]:
+    """Every (module, buffer name) slot of ``modules``, each once."""
+    seen: set[tuple[int, str]] = set()
+    out: list[BufferSlot] = []
+    for module in modules:
+        for name in module._buffers:
+            key = (id(module), name)
+            if key not in seen:
+                seen.add(key)
+                out.append((module, name))
+    return tuple(out)
 
 
-def install_buffer_clones(slots: BufferState) -> None:
-    """Put private copies of the recorded buffers in place; the originals stay untouched."""
-    for module, name, t in slots:
-        module._buffers[name] = t.clone() if t is not None else None
+def read_buffers(slots: Sequence[BufferSlot]) -> list[torch.Tensor | None]:
+    """The tensor in each slot now."""
+    return [module._buffers.get(name) for module, name in slots]
 
 
-def reinstall_buffers(slots: BufferState) -> None:
-    """Put the recorded buffer objects back."""
-    for module, name, t in slots:
+def put_buffers(slots: Sequence[BufferSlot], tensors: Iterable[torch.Tensor | None]) -> None:
+    """Put ``tensors`` in the slots, in order."""
+    for (module, name), t in zip(slots, tensors):
         module._buffers[name] = t
+
+
+def private_copies(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """A clone of each tensor, one per distinct tensor, so that a buffer registered in two
+    modules stays one tensor in the copies too."""
+    clones = {id(t): t for t in tensors if t is not None}
+    clones = {k: t.clone() for k, t in clones.items()}
+    return [clones[id(t)] if t is not None else None for t in tensors]
+
+
+class RngState:
+    """The RNG state of the CPU (unless ``cpu=False``) and of the given CUDA devices, as it
+    is now; :meth:`restore` puts it back, as often as needed."""
+
+    __slots__ = ("cpu", "cuda", "devices")
+
+    def __init__(self, devices: Sequence[int] = (), *, cpu: bool = True) -> None:
+        self.devices = tuple(devices)
+        self.cpu = torch.get_rng_state() if cpu else None
+        self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
+
+    def restore(self) -> None:
+        """Set the recorded states again."""
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
+        for d, state in zip(self.devices, self.cuda):
+            torch.cuda.set_rng_state(state, d)
 
 
 def _cuda_devices(x: Any) -> list[int]:
@@ -97,14 +133,16 @@ def dry_run_state(model: nn.Module, x: Any) -> Iterator[None]:
     device that ``x`` or the model lives on is forked, and :func:`is_recomputing` is true
     inside.
     """
-    slots = buffer_slots(model)
-    devices = _cuda_devices([x, *model.parameters()])
-    install_buffer_clones(slots)
+    slots = buffer_slots(model.modules())
+    live = read_buffers(slots)
+    rng = RngState(_cuda_devices([x, *model.parameters()]))
+    put_buffers(slots, private_copies(live))
     try:
-        with torch.random.fork_rng(devices=devices), recomputing():
+        with recomputing():
             yield
     finally:
-        reinstall_buffers(slots)
+        put_buffers(slots, live)
+        rng.restore()
 
 
 def _instance_forwards(model: nn.Module) -> list[tuple[nn.Module, bool, Any]]:
@@ -122,22 +160,16 @@ def preserved(model: nn.Module, inputs: Any = ()) -> Iterator[Callable[[], None]
     state in place, so every step inside starts from the same state.
     """
     forwards = _instance_forwards(model)
-    slots = buffer_slots(model)
+    slots = buffer_slots(model.modules())
+    live = read_buffers(slots)
     grads = [(p, p.grad) for p in model.parameters()]
-    devices = _cuda_devices([inputs, *model.parameters()])
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = [torch.cuda.get_rng_state(d) for d in devices]
-
-    def reset_rng() -> None:
-        torch.set_rng_state(cpu_rng)
-        for d, state in zip(devices, cuda_rng):
-            torch.cuda.set_rng_state(state, d)
+    rng = RngState(_cuda_devices([inputs, *model.parameters()]))
 
     def fresh() -> None:
-        install_buffer_clones(slots)
+        put_buffers(slots, private_copies(live))
         for p, _ in grads:
             p.grad = None
-        reset_rng()
+        rng.restore()
 
     try:
         yield fresh
@@ -146,7 +178,7 @@ def preserved(model: nn.Module, inputs: Any = ()) -> Iterator[Callable[[], None]
             module.__dict__.pop("forward", None)
             if had:
                 module.__dict__["forward"] = forward
-        reinstall_buffers(slots)
+        put_buffers(slots, live)
         for p, g in grads:
             p.grad = g
-        reset_rng()
+        rng.restore()
