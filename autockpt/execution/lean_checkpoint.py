@@ -69,6 +69,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointError
 
+from autockpt.measure.sandbox import RngState
+
 __all__ = ["LEAN_AVAILABLE", "lean_applies", "lean_checkpoint"]
 
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
@@ -149,14 +151,12 @@ class _Frame:
         "args",
         "autocast",
         "count",
-        "cpu_rng",
-        "device_rng",
-        "devices",
         "fn",
         "holders",
         "lock",
         "meta",
         "mismatch",
+        "rng",
         "task",
     )
 
@@ -166,9 +166,7 @@ class _Frame:
         self.holders: list[weakref.ReferenceType[_Holder]] = []
         self.meta: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.count = 0  # tensors saved so far by the running replay
-        self.cpu_rng: torch.Tensor | None = None
-        self.devices: list[int] = []
-        self.device_rng: list[torch.Tensor] = []
+        self.rng: RngState | None = None  # the forward's RNG state, when the replay needs it
         self.autocast: _Autocast | None = _autocast_state() if _autocast_on() else None
         self.task = -2  # the graph task of the last replay (-1: unpacked outside a backward)
         self.mismatch: str | None = None  # the first saved tensor the last replay got wrong
@@ -222,7 +220,7 @@ class _Frame:
         self.task = _graph_task()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.repack, _identity), torch.enable_grad():
-                if self.cpu_rng is None and self.autocast is None and not _autocast_on():
+                if self.rng is None and self.autocast is None and not _autocast_on():
                     _run_without_dynamo(self.fn, *self.args)
                 else:
                     self._replay_in_state()
@@ -240,14 +238,14 @@ class _Frame:
         if self.autocast is None:
             on = cpu_on = False
         with (
-            torch.random.fork_rng(devices=self.devices, enabled=self.cpu_rng is not None, device_type="cuda"),
+            torch.random.fork_rng(
+                devices=self.rng.devices if self.rng else (), enabled=self.rng is not None, device_type="cuda"
+            ),
             torch.autocast("cuda", enabled=on, dtype=dtype, cache_enabled=cache),
             torch.autocast("cpu", enabled=cpu_on, dtype=cpu_dtype, cache_enabled=cache),
         ):
-            if self.cpu_rng is not None:
-                torch.set_rng_state(self.cpu_rng)
-                for device, state in zip(self.devices, self.device_rng):
-                    torch.cuda.set_rng_state(state, device)
+            if self.rng is not None:
+                self.rng.restore()
             _run_without_dynamo(self.fn, *self.args)
 
 
@@ -268,9 +266,7 @@ def lean_checkpoint(
     :func:`lean_applies` admits it; ``args`` are tensors on one device, of ``device_type``."""
     frame = _Frame(fn, tuple(args))
     if preserve_rng_state:
-        frame.cpu_rng = torch.get_rng_state()
-        if device_type == "cuda" and torch.cuda.is_initialized():
-            frame.devices = sorted({t.get_device() for t in args})
-            frame.device_rng = [torch.cuda.get_rng_state(d) for d in frame.devices]
+        cuda = device_type == "cuda" and torch.cuda.is_initialized()
+        frame.rng = RngState(sorted({t.get_device() for t in args}) if cuda else ())
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
         return fn(*args)
