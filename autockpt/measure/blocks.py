@@ -85,7 +85,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from autockpt.errors import AutockptError
-from autockpt.measure.losses import default_loss
+from autockpt.measure.losses import training_step
 from autockpt.measure.memory import Windows
 from autockpt.measure.profiling import Profile, StageTimes, measured_stage_in
 from autockpt.measure.sandbox import preserved, recomputing
@@ -206,18 +206,20 @@ def _profile_step(
                 i, block, call, step, alone, timed, inputs, device, repeats, ops
             )
         step.mark("gap 0")
-        out = model(*call_args, **call_kwargs)
-        # NOTE [The model's output in a block profile]: what the model's code made of it
-        passed = {storage_key(t) for ref in step.block_outputs if (t := ref()) is not None}
-        out_bytes = storage_bytes(t for t in tensors_in(out) if storage_key(t) not in passed)
-        step.mark("loss")
-        loss = default_loss(out)
-        step.mark(f"bwd gap {len(blocks)}")
-        if loss.requires_grad:
-            loss.backward()
-        del loss, out
+        out_bytes = []
+
+        def after_forward(out: Any) -> None:
+            # NOTE [The model's output in a block profile]: what the model's code made of it
+            passed = {storage_key(t) for ref in step.block_outputs if (t := ref()) is not None}
+            out_bytes.append(storage_bytes(t for t in tensors_in(out) if storage_key(t) not in passed))
+            step.mark("loss")
+
+        training_step(
+            model, call_args, call_kwargs, None, where="profile", after_forward=after_forward,
+            before_backward=lambda: step.mark(f"bwd gap {len(blocks)}"),
+        )  # fmt: skip
         step.mark("end")
-    return step, alone, inputs, out_bytes
+    return step, alone, inputs, out_bytes[0]
 
 
 def _measuring_forward(

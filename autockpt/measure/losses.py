@@ -21,7 +21,7 @@ from autockpt.measure.memory import Windows
 from autockpt.measure.sandbox import dry_run_state
 from autockpt.measure.tensors import device_of, requiring_grad
 
-__all__ = ["LossFn", "default_loss", "measure_loss", "step_loss"]
+__all__ = ["LossFn", "default_loss", "measure_loss", "step_loss", "training_step"]
 
 LossFn = Callable[[Any], torch.Tensor]
 """Maps the model's output (whatever its forward returns) to a scalar to call ``backward`` on,
@@ -65,6 +65,33 @@ def step_loss(out: Any, loss_fn: LossFn | None, *, where: str) -> torch.Tensor:
             f"Reduce it, e.g. lambda out: F.cross_entropy(out, labels)."
         )
     return loss
+
+
+def training_step(
+    model: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    loss_fn: LossFn | None,
+    *,
+    where: str,
+    after_forward: Callable[[Any], None] | None = None,
+    before_backward: Callable[[], None] | None = None,
+) -> Any:
+    """One training step as every measurement runs it: forward, the loss, its backward.
+
+    The loss is dropped before returning (its graph is gone), the output is returned.
+    ``after_forward(out)`` and ``before_backward()`` let a caller mark or read the step
+    between its phases (a block profile's windows).
+    """
+    out = model(*args, **(kwargs or {}))
+    if after_forward is not None:
+        after_forward(out)
+    loss = step_loss(out, loss_fn, where=where)
+    if before_backward is not None:
+        before_backward()
+    if loss.requires_grad:
+        loss.backward()
+    return out
 
 
 def measure_loss(

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autockpt.measure.losses import LossFn, step_loss
+from autockpt.measure.losses import LossFn, training_step
 from autockpt.measure.memory import MemoryStats, track_memory
 from autockpt.measure.sandbox import preserved, recomputing
 from autockpt.measure.tensors import device_of, requiring_grad, static_bytes
@@ -54,11 +54,7 @@ def run_step(
             inputs[i], made = requiring_grad(arg)
             leaves += [(f"{i}" if len(made) == 1 else f"{i}.{j}", leaf) for j, leaf in enumerate(made)]
     with track_memory(device) as mem:
-        out = model(*inputs, **(kwargs or {}))
-        loss = step_loss(out, loss_fn, where=where)
-        if loss.requires_grad:
-            loss.backward()
-        del loss
+        out = training_step(model, inputs, kwargs, loss_fn, where=where)
     tensors: dict[str, torch.Tensor | None] = {}
     for i, t in enumerate(tree_leaves(out)):  # numbered as the output's leaves, None included
         if isinstance(t, torch.Tensor):

@@ -21,7 +21,7 @@ from torch import nn
 
 from autockpt.measure.allocator import MARK, open_session
 from autockpt.measure.figures import pyplot, save
-from autockpt.measure.losses import LossFn, step_loss
+from autockpt.measure.losses import LossFn, training_step
 from autockpt.measure.sandbox import preserved, recomputing
 from autockpt.measure.tensors import device_of, static_bytes
 from autockpt.plan import format_bytes
@@ -101,11 +101,7 @@ def measured_curve(
             fresh()
             session = open_session(device)
             session.mark()
-            out = model(*args, **kwargs)
-            loss = step_loss(out, loss_fn, where="measured_curve")
-            if loss.requires_grad:
-                loss.backward()
-            del out, loss
+            training_step(model, args, kwargs, loss_fn, where="measured_curve")
             session.mark()
             deltas, times = session.close(), session.times
             if not warm:

@@ -27,7 +27,7 @@ from torch import nn
 from autockpt.api import apply_plan
 from autockpt.errors import PlanInfeasibleError
 from autockpt.measure.figures import pyplot, save
-from autockpt.measure.losses import LossFn, default_loss
+from autockpt.measure.losses import LossFn, training_step
 from autockpt.measure.step import measure_step
 from autockpt.measure.tensors import as_args
 from autockpt.plan import Plan, format_bytes
@@ -225,9 +225,7 @@ def _step_times(
                 p.grad = None
             _sync(args)
             t0 = time.perf_counter()
-            out = model(*args, **(kwargs or {}))
-            loss = loss_fn(out) if loss_fn is not None else default_loss(out)
-            loss.backward()
+            training_step(model, args, kwargs, loss_fn, where="tradeoff")
             _sync(args)
             if i:
                 times.append((time.perf_counter() - t0) * 1e3)
