@@ -10,7 +10,7 @@ Examples:
 from autockpt import models
 from autockpt.api import auto_checkpoint, make_plan, restore
 from autockpt.errors import AutockptError, MutationError, PlanInfeasibleError
-from autockpt.execution.debug import RecomputeMismatchError
+from autockpt.execution.recompute_check import RecomputeMismatchError
 from autockpt.execution.policies import available_policies, register_policy
 from autockpt.measure.memory import MemoryStats, track_memory
 from autockpt.measure.model_profile import profile

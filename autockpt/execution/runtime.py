@@ -1,7 +1,7 @@
 """Running a planned chain: checkpointed segments, exact buffers, the mutation guard.
 
 The recompute check (stage outputs always, every op under ``debug=True``) lives in
-``execution/debug.py`` (NOTE [Recompute check]).
+``execution/recompute_check.py`` (NOTE [Recompute check]).
 
 NOTE [Buffers change once per forward]
     ``torch.utils.checkpoint`` replays a segment's forward in backward, so a BatchNorm in
@@ -92,7 +92,7 @@ from torch.utils.checkpoint import noop_context_fn
 
 from autockpt.errors import MutationError
 from autockpt.execution.checkpoint_args import device_hints, may_use_rng, rng_free_modules
-from autockpt.execution.debug import OpRecorder, output_metadata, run_stage, stage_mismatch
+from autockpt.execution.recompute_check import OpRecorder, output_metadata, run_stage, stage_mismatch
 from autockpt.execution.hooks import HookState, hook_error, hook_state, hooked_modules
 from autockpt.execution.lean_checkpoint import lean_applies, lean_checkpoint
 from autockpt.execution.policies import OpPolicy, SelectiveRecompute
@@ -145,7 +145,7 @@ class SegmentRuntime:
     hooked: tuple[tuple[str, nn.Module], ...] = ()  # checkpointed only; whose forward hooks run inside
     guarded_dicts: tuple[dict[str, Any], ...] = ()  # the _parameters and _buffers of named_modules
     label: str = ""  # "2", or "2.1" for a nested segment
-    debug: bool = False  # check every op of a recompute (NOTE [Recompute check] in debug.py)
+    debug: bool = False  # check every op of a recompute (NOTE [Recompute check] in recompute_check.py)
     selective: SelectiveRecompute | None = None  # an op policy's context_fn (execution/policies.py)
 
     @property
@@ -307,7 +307,7 @@ class _SegmentCall:
 
     def _body(self, x: Any) -> Any:
         """The segment's stages; the forward notes each stage's output metadata, a
-        recompute compares with it (NOTE [Recompute check] in debug.py)."""
+        recompute compares with it (NOTE [Recompute check] in recompute_check.py)."""
         rt = self.rt
         if rt.children:
             return run_segments(rt.children, x)  # each nested checkpointed segment checks itself
