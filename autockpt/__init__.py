@@ -10,8 +10,8 @@ Examples:
 from autockpt import models
 from autockpt.api import auto_checkpoint, make_plan, restore
 from autockpt.errors import AutockptError, MutationError, PlanInfeasibleError
-from autockpt.execution.recompute_check import RecomputeMismatchError
 from autockpt.execution.policies import available_policies, register_policy
+from autockpt.execution.recompute_check import RecomputeMismatchError
 from autockpt.measure.memory import MemoryStats, track_memory
 from autockpt.measure.model_profile import profile
 from autockpt.measure.profiling import Profile

@@ -92,10 +92,10 @@ from torch.utils.checkpoint import noop_context_fn
 
 from autockpt.errors import MutationError
 from autockpt.execution.checkpoint_args import device_hints, may_use_rng, rng_free_modules
-from autockpt.execution.recompute_check import OpRecorder, output_metadata, run_stage, stage_mismatch
 from autockpt.execution.hooks import HookState, hook_error, hook_state, hooked_modules
 from autockpt.execution.lean_checkpoint import lean_applies, lean_checkpoint
 from autockpt.execution.policies import OpPolicy, SelectiveRecompute
+from autockpt.execution.recompute_check import OpRecorder, output_metadata, run_stage, stage_mismatch
 from autockpt.measure.sandbox import (
     BufferSlot,
     buffer_slots,
