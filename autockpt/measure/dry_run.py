@@ -19,9 +19,9 @@ from autockpt.measure.tensors import (
     cloned,
     detached,
     requiring_grad,
+    saved_storages,
     storage_bytes,
     storage_key,
-    storage_sizes,
     tensors_in,
 )
 from autockpt.walkers import Walked
@@ -108,13 +108,7 @@ def _saved_bytes(units: Sequence[Unit], x: Any) -> tuple[int, ...]:
     value = detached(x)
     for unit in units:
         value, _ = requiring_grad(value)
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
-            saved.update(storage_sizes([t]))
-            return t.detach()  # the tensor itself would make a cycle through its grad_fn: a leak
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages() as saved:
             result = unit.fn(value)
         params = {storage_key(p) for p in unit.parameters()}
         out.append(sum(n for k, n in saved.items() if k not in params))

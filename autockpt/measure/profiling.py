@@ -39,9 +39,9 @@ from autockpt.measure.tensors import (
     cloned,
     device_of,
     requiring_grad,
+    saved_storages,
     storage_bytes,
     storage_key,
-    storage_sizes,
     tensors_in,
 )
 from autockpt.measure.timeline import Curve, MemoryTimeline, predicted_curve
@@ -286,17 +286,11 @@ def _stage_cost_in(
     """The bytes of one stage: one forward and backward in four windows
     of ``windows``; the cost, given the stage's times, once ``windows`` has closed, and the
     stage's output."""
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.update(storage_sizes([t]))
-        return t.detach()  # the tensor itself would make a cycle through its grad_fn: a leak
-
     inputs, leaves = requiring_grad(x, as_given=grads_as_given)
     in_tensors = tensors_in(inputs)
     in_keys = {storage_key(t) for t in in_tensors}
     first = windows.mark()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages() as saved:
         out = stage(inputs)
     windows.mark()
     out_tensors = [t for t in tensors_in(out) if storage_key(t) not in in_keys]

@@ -9,7 +9,8 @@ the same function.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+import contextlib
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "detached",
     "device_of",
     "requiring_grad",
+    "saved_storages",
     "signature",
     "static_bytes",
     "storage_bytes",
@@ -170,3 +172,21 @@ def as_args(example_inputs: Sequence[Any] | torch.Tensor | None) -> tuple[Any, .
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
     return tuple(example_inputs)
+
+
+@contextlib.contextmanager
+def saved_storages() -> Iterator[dict[int, int]]:
+    """The storages autograd saves for backward inside the block, by :func:`storage_key`,
+    with their bytes; the dict fills as the block runs."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.update(storage_sizes([t]))
+        return t.detach()  # the tensor itself would make a cycle through its grad_fn: a leak
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpacked):
+        yield saved
+
+
+def _unpacked(t: torch.Tensor) -> torch.Tensor:
+    return t
