@@ -8,13 +8,31 @@ NOTE [The one-time dry run]
     that records gradients. The dry run is invisible: buffers and RNG are restored and
     :func:`autockpt.is_recomputing` is true during it. If it finds a module that the
     plan put right after a boundary, the plan is made again with the same strategy.
+
+NOTE [One compiled frame per model]
+    Under ``torch.compile(model)`` the first frame dynamo compiles is the model's
+    ``forward``, and with autockpt installed that is ``CheckpointedForward.__call__``: one
+    code object for every checkpointed model in the process. Dynamo keeps its state per
+    code object (cache entries and their guards, the recompile limit) and per code location
+    (automatic dynamic shapes), so a model compiled after another checkpointed one was
+    checked against the other's guards, recompiled as its "recompile" and, its input shape
+    differing from the other's, compiled with every input size symbolic (dynamic shapes,
+    seen with ``TORCH_LOGS=recompiles,dynamic``: "tensor 'args[0]' rank mismatch", then
+    "marking L['args'][0] as dynamic"); after 8 models, dynamo would give up on the rest.
+    Unwrapped, each model class has its own ``forward`` frame. So each installed forward
+    is an instance of a subclass made for it, whose ``__call__`` is the same function with
+    a code object (and name) of its own: one model's compilation cannot change another's,
+    and dynamo's entries go with the model's forward. Pickles and copies name the base
+    class and get a subclass of their own when rebuilt.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import pickle
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -116,6 +134,7 @@ class CheckpointedForward:
         self.traced: dict[frozenset[str], tuple[Walked, Plan, tuple[SegmentRuntime, ...], DryRun | None]] = {}
         self.runtime: tuple[SegmentRuntime, ...] = ()
         self._bind(chain)
+        self.__class__ = _own_class(type(model).__name__)  # NOTE [One compiled frame per model]
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -259,6 +278,10 @@ class CheckpointedForward:
             self.plan = plan
             self._bind(chain)
 
+    def __reduce__(self) -> tuple[Callable[[str], CheckpointedForward], tuple[str], dict[str, Any]]:
+        # by the base class's name, not the subclass's (NOTE [One compiled frame per model])
+        return _blank_forward, (type(self.model).__name__,), self.__getstate__()
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         spec = state["spec"]
@@ -268,6 +291,31 @@ class CheckpointedForward:
             except Exception:  # a lambda or local function: keep the plan, drop the recipe
                 state["spec"] = None
         return state
+
+
+_FORWARD_NUMBERS = itertools.count(1)
+
+
+def _own_class(model_name: str) -> type[CheckpointedForward]:
+    """A subclass of :class:`CheckpointedForward` whose ``__call__`` has a code object of
+    its own, named after the model (NOTE [One compiled frame per model])."""
+    call = CheckpointedForward.__call__
+    name = f"autockpt_forward_{model_name}_{next(_FORWARD_NUMBERS)}"
+    own = types.FunctionType(
+        call.__code__.replace(co_name=name),
+        call.__globals__,
+        call.__name__,
+        call.__defaults__,
+        call.__closure__,
+    )
+    own.__qualname__, own.__doc__, own.__kwdefaults__ = call.__qualname__, call.__doc__, call.__kwdefaults__
+    attrs = {"__call__": own, "__module__": __name__, "__qualname__": CheckpointedForward.__qualname__}
+    return type(CheckpointedForward.__name__, (CheckpointedForward,), attrs)
+
+
+def _blank_forward(model_name: str) -> CheckpointedForward:
+    """An empty installed forward, for pickle and ``copy`` to fill with its state."""
+    return object.__new__(_own_class(model_name))
 
 
 def installed(model: nn.Module) -> CheckpointedForward | None:
