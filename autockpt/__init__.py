@@ -14,7 +14,7 @@ from autockpt.execution.policies import available_policies, register_policy
 from autockpt.execution.recompute_check import RecomputeMismatchError
 from autockpt.measure.memory import MemoryStats, track_memory
 from autockpt.measure.model_profile import profile
-from autockpt.measure.profiling import Profile
+from autockpt.measure.profile import Profile
 from autockpt.measure.sandbox import is_recomputing
 from autockpt.plan import Plan, Segment
 from autockpt.planners import PlanRequest, available_planners, register_planner

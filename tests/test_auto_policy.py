@@ -208,7 +208,7 @@ def free_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     pays is measured, and on a busy machine the dispatch cost came out high enough that it
     kept none (each of these tests failed so once in a full suite run); without it, the ops
     chosen depend on bytes and times alone, and keeping always saves time."""
-    import autockpt.measure.profiling as profiling
+    import autockpt.measure.stage_profile as profiling
 
     monkeypatch.setattr(profiling, "selective_dispatch_ms", lambda device: 0.0)
 

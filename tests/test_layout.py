@@ -136,7 +136,7 @@ def test_no_arrow_runs_back_up_the_pipeline() -> None:
 
 
 def test_the_layer_rule_sees_an_arrow_back_up() -> None:
-    assert layer("autockpt.measure.profiling") < layer("autockpt.report.tradeoff")
+    assert layer("autockpt.measure.stage_profile") < layer("autockpt.report.tradeoff")
     assert layer("autockpt.walkers.chain") < layer("autockpt.measure.sandbox") < layer("autockpt.api")
 
 

@@ -61,7 +61,7 @@ def test_a_chain_profile_measures_its_bytes_in_one_allocator_session() -> None:
     """A session per stage cost a profiler start and stop each (NOTE [One session per
     profile]); the bytes must be those of stages measured one by one."""
     from autockpt.measure import memory
-    from autockpt.measure.profiling import measured_stage_in
+    from autockpt.measure.stage_profile import measured_stage_in
 
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -366,7 +366,7 @@ def test_twin_blocks_are_timed_once_and_measured_each() -> None:
     # the same parameters and input as layer 4, other modules (timm: Identity or DropPath)
     layers.append(nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Identity()))
 
-    import autockpt.measure.profiling as profiling
+    import autockpt.measure.stage_profile as profiling
 
     with mock.patch.object(profiling, "stage_times", wraps=profiling.stage_times) as timed:
         # an input requiring gradients, as the later blocks' do: layer 0 is a twin of 1 and 2

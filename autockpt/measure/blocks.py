@@ -10,7 +10,7 @@ So the model runs one training step here, with three things added for the durati
   key/value cache, as checkpointed blocks run (:mod:`autockpt.walkers.kv_caches`: measuring a block
   alone and then running it would otherwise append to the model's cache twice);
 * the first time a block is called, it is first measured alone on the inputs the model hands
-  it (:func:`~autockpt.measure.profiling.measured_stage_in`, inputs requiring gradients
+  it (:func:`~autockpt.measure.stage_profile.measured_stage_in`, inputs requiring gradients
   exactly where the model's do), in windows of the step's own allocator session (a session
   of its own would stop and restart the CPU profiler twice per block);
 * markers in one allocator session, at each block's entry and exit in forward and, through
@@ -87,8 +87,9 @@ from torch.utils.checkpoint import checkpoint
 from autockpt.errors import AutockptError
 from autockpt.measure.losses import training_step
 from autockpt.measure.memory import Windows
-from autockpt.measure.profiling import Profile, StageTimes, measured_stage_in
+from autockpt.measure.profile import Profile
 from autockpt.measure.sandbox import preserved, recomputing
+from autockpt.measure.stage_profile import StageTimes, measured_stage_in
 from autockpt.measure.tensors import (
     arguments_key,
     device_of,

@@ -2,7 +2,7 @@
 
 :func:`profile` is the public entry point; planning calls :func:`model_profile` with the
 chain it already has. A chain of the sequential or graph walker is measured stage by stage
-(``autockpt.measure.profiling``); the block walker's model is measured as its blocks and
+(``autockpt.measure.stage_profile``); the block walker's model is measured as its blocks and
 the code between them (``autockpt.measure.blocks``), since only the model itself can run
 that code.
 
@@ -28,7 +28,8 @@ from torch import nn
 from autockpt.measure.blocks import profile_blocks
 from autockpt.measure.dry_run import dry_run
 from autockpt.measure.losses import LossFn, measure_loss
-from autockpt.measure.profiling import Profile, profile_chain
+from autockpt.measure.profile import Profile
+from autockpt.measure.stage_profile import profile_chain
 from autockpt.measure.tensors import as_args, signature, static_bytes
 from autockpt.walkers import Walked, walk
 from autockpt.walkers.chain import Chain, build_chain

@@ -21,7 +21,7 @@ from torch import nn
 from autockpt.errors import PlanInfeasibleError
 from autockpt.measure.losses import LossFn
 from autockpt.measure.model_profile import model_profile
-from autockpt.measure.profiling import Profile
+from autockpt.measure.profile import Profile
 from autockpt.plan import Plan, Segment, format_bytes, parse_budget
 from autockpt.planners import PlanRequest, get_planner, run_planner
 from autockpt.planners.budget import EXACT_UP_TO
