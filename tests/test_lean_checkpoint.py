@@ -231,3 +231,45 @@ def test_anything_unusual_goes_to_torchs_checkpoint(name: str) -> None:
             assert not lean_applies("cpu")
             step(model, torch.randn(4, 6, dtype=D))
         assert (spy.lean.call_count, spy.torch.call_count) == (1, 1)
+
+
+def test_the_pair_keeps_the_same_bytes_between_forward_and_backward() -> None:
+    """What a checkpoint holds for backward: the input (and what torch keeps for its own
+    bookkeeping, nothing with data); the lean one holds exactly what torch's does."""
+    m, x = block(), torch.randn(256, 6, dtype=D, requires_grad=True)
+    held = {}
+    for name in ("torch", "lean", "unwrapped"):
+        with autockpt.track_memory("cpu", allocator=False) as mem:
+            out = RUNS[name](m, x)
+        held[name] = mem.tensor_live_bytes
+        out.sum().backward()
+        del out
+        x.grad = None
+        m.zero_grad(set_to_none=True)
+    assert held["lean"] == held["torch"] < held["unwrapped"]
+
+
+def _cast_on_replay(calls: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return torch.tanh(x if len(calls) == 1 else x.float()).sum()
+
+    return fn
+
+
+def _fewer_on_replay(calls: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return (torch.tanh(torch.tanh(x)) if len(calls) == 1 else torch.tanh(x) * 1.0).sum()
+
+    return fn
+
+
+@pytest.mark.parametrize("make", [_cast_on_replay, _fewer_on_replay], ids=["dtype", "count"])
+@pytest.mark.parametrize("name", ["torch", "lean"])
+def test_the_pair_raises_the_same_error_on_a_replay_that_differs(name: str, make: Callable) -> None:
+    """A replay whose saved tensors differ in dtype (not only shape) or in number raises
+    torch's CheckpointError from either checkpoint."""
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    with pytest.raises(tuc.CheckpointError, match=r"different metadata|A different number of tensors"):
+        RUNS[name](make([]), x).backward()

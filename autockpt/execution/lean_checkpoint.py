@@ -53,6 +53,11 @@ NOTE [Lean checkpoint]
     selective checkpoint of the model's own inside a lean segment, which torch 2.14 sees
     under a user's saved-tensor hooks (it warns).
 
+    The contract is tested as a pair in ``tests/test_lean_checkpoint.py``: the same
+    function under torch's checkpoint and this one gives bitwise equal gradients in every
+    scenario above, holds the same bytes between forward and backward, and raises the same
+    ``CheckpointError`` for a replay of another dtype or count.
+
     Input tensors modified in place before the replay are the caller's to check (torch's
     checkpoint refuses them through its saved inputs): the segment call keeps their
     versions (NOTE [Segment inputs] in ``execution/runtime.py``).
