@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -17,3 +18,14 @@ def _deterministic():
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Close the matplotlib figures a test leaves open: pyplot keeps every figure until it is
+    closed, and opening a 21st warns (an error under our filterwarnings), so figures left
+    by earlier tests failed whichever test opened that one."""
+    yield
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is not None:
+        plt.close("all")

@@ -13,12 +13,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import types
+from typing import Any
 
+import pytest
 import torch
 from test_policies import backward_addmm
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autockpt
+from autockpt.measure import timing
 from autockpt.plan import Segment
 from autockpt.planners import StageCost
 from autockpt.planners.budget import budget_planner
@@ -42,15 +47,34 @@ def test_a_segment_ending_with_a_linear_does_not_recompute_its_matmul() -> None:
     assert counts == [0, 1]
 
 
-def test_the_profile_measures_the_tail_after_the_last_save() -> None:
+class OpClock(TorchDispatchMode):
+    """A clock on which every op autograd dispatches takes one second: the profile's times
+    become counts of ops, the same on every run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+    def perf_counter(self) -> float:
+        return float(self.ops)
+
+
+def test_the_profile_measures_the_tail_after_the_last_save(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU())
-    prof = autockpt.profile(model, (torch.randn(1024, 1024),), repeats=3)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+    clock = OpClock()
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    with clock:
+        prof = autockpt.profile(model, (torch.randn(8, 16),), repeats=3)
     linear, relu = prof.costs
-    assert 0 <= relu.tail_ms <= relu.fwd_ms and 0 <= linear.tail_ms <= linear.fwd_ms
-    # the matmul runs after the Linear's last save; the ReLU saves the output it just made
-    assert linear.tail_ms >= 0.5 * linear.fwd_ms, linear
-    assert relu.tail_ms <= 0.5 * relu.fwd_ms, relu
+    # autograd saves an op's inputs before the op runs and its outputs after: the Linear's
+    # matmul runs after its last save, the ReLU saves the output it has just made
+    assert linear.tail_ms >= 1000.0 and linear.tail_ms >= 0.5 * linear.fwd_ms, linear
+    assert relu.tail_ms == 0.0 and relu.fwd_ms >= 1000.0, relu
     assert "tail ms" in str(prof) and json.loads(prof.to_json())["stages"][0]["tail_ms"] == linear.tail_ms
 
 

@@ -111,7 +111,7 @@ def test_torchvision_peak_is_below_unwrapped(name: str) -> None:
     x = torch.randn(shape)
     plain = peak(model, (x,))
     wrapped = peak(autockpt.auto_checkpoint(model, example_inputs=(x,)), (x,))
-    assert wrapped < plain, (wrapped, plain)
+    assert wrapped <= 0.9 * plain, (wrapped, plain)  # 0.41-0.82 of it (resnet18 highest; torch 2.14, CPU)
 
 
 def gpt_inputs(batch: int = 2, t: int = 16, vocab: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +138,8 @@ def test_gpt_decoder_peak_is_below_unwrapped(mode: str) -> None:
     mask = torch.ones(8, 128)
     plain = peak(model, (idx,), {"attention_mask": mask})
     autockpt.auto_checkpoint(model, mode=mode)
-    assert peak(model, (idx,), {"attention_mask": mask}) < plain
+    wrapped = peak(model, (idx,), {"attention_mask": mask})
+    assert wrapped <= 0.4 * plain, (wrapped, plain)  # 0.21 of it through either walker (torch 2.14, CPU)
 
 
 def test_untraceable_model_falls_back_to_blocks_and_says_why() -> None:

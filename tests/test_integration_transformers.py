@@ -16,6 +16,10 @@ import autockpt  # noqa: E402
 from autockpt.integrations.transformers import AutoCheckpointCallback, disable, enable, hf_checkpointing  # noqa: E402
 
 SEQ, BATCH = 128, 4
+# Trainer needs accelerate (the ``transformers`` extra); transformers' own check, minimum version included
+needs_accelerate = pytest.mark.skipif(
+    not transformers.utils.is_accelerate_available(), reason="transformers' Trainer needs accelerate"
+)
 
 
 def gpt2() -> Any:
@@ -103,6 +107,7 @@ def train(model: Any, callbacks: list[Any], **overrides: Any) -> int:
     return mem.peak_bytes
 
 
+@needs_accelerate
 @pytest.mark.parametrize("budget", [None, 0.6])
 def test_trainer_with_the_callback_trains_the_same_parameters_in_less_memory(budget: float | None) -> None:
     base = gpt2()
@@ -116,6 +121,7 @@ def test_trainer_with_the_callback_trains_the_same_parameters_in_less_memory(bud
     assert peak_checkpointed < 0.8 * peak_plain
 
 
+@needs_accelerate
 def test_the_callback_refuses_hugging_faces_checkpointing_as_well() -> None:
     fields = transformers.TrainingArguments.__dataclass_fields__
     flag = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"

@@ -172,7 +172,11 @@ def test_nin_channels_last_sqrt_is_strictly_below_unwrapped() -> None:
     x = data(16)  # about 10% below at batches 8 to 64
     plain = measure(model, x)
     sqrt = measure(autockpt.auto_checkpoint(model, "sqrt", example_inputs=(x,)), x)
-    assert sqrt.peak_bytes < plain.peak_bytes, (format_bytes(sqrt.peak_bytes), format_bytes(plain.peak_bytes))
+    # 0.90 of it measured (torch 2.14); a bound a saving of a few bytes would not meet
+    assert sqrt.peak_bytes <= 0.95 * plain.peak_bytes, (
+        format_bytes(sqrt.peak_bytes),
+        format_bytes(plain.peak_bytes),
+    )
 
 
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])

@@ -56,8 +56,12 @@ def test_verify_leaves_a_checkpointed_model_as_it_was() -> None:
 
 def test_verify_leaves_a_plain_model_plain() -> None:
     model = model_with_bn()
-    autockpt.verify(model, torch.randn(6, 4, dtype=D))
+    report = autockpt.verify(model, torch.randn(6, 4, dtype=D))
     assert "forward" not in vars(model)
+    assert report.ok and report.mismatches == () and report.atol == report.rtol == 0.0
+    assert report.plan.strategy == "sqrt" and report.plan.checkpointed_segments > 0  # the default
+    assert report.param_grad_max_abs_diff == report.output_max_abs_diff == report.buffer_max_abs_diff == 0.0
+    assert report.tensor_peak_bytes_checkpointed < report.tensor_peak_bytes_unwrapped
 
 
 def test_verify_catches_a_module_that_does_not_replay() -> None:

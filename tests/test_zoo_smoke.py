@@ -402,6 +402,18 @@ def peak(
     return mem.peak_bytes
 
 
+# The most of the unwrapped peak the checkpointed step may reach: 0.9, or where activations are
+# a smaller share of the step, a bound above the ratio measured (torch 2.14, CPU) with headroom.
+LOWER_AT_MOST = {
+    "timm-byobnet": 0.95,  # measured 0.91
+    "timm-coatnet": 0.96,  # 0.93
+    "timm-efficientvim": 0.99,  # 0.97
+    "timm-levit": 0.98,  # 0.96
+    "timm-regnet": 0.97,  # 0.94
+    "timm-swin": 0.95,  # 0.91; all others 0.82 or less
+}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_lower(name: str) -> None:
     model = build(name)
@@ -409,4 +421,8 @@ def test_lower(name: str) -> None:
     plain = peak(model, args, kwargs, loss_fn)
     autockpt.auto_checkpoint(model, example_inputs=args, example_kwargs=kwargs)
     wrapped = peak(model, args, kwargs, loss_fn)
-    assert wrapped < plain, f"peak {wrapped} B checkpointed, {plain} B unwrapped:\n{model.forward.plan}"
+    at_most = LOWER_AT_MOST.get(name, 0.9)
+    assert wrapped <= at_most * plain, (
+        f"peak {wrapped} B checkpointed, {plain} B unwrapped ({wrapped / plain:.3f}, at most {at_most}):\n"
+        f"{model.forward.plan}"
+    )
