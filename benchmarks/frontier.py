@@ -382,12 +382,12 @@ def report(case: Case, base_peak: int, rows: list[dict[str, Any]], noise: float,
     (out / f"frontier_{case.stem}.json").write_text(
         json.dumps({"model": case.title, "unwrapped_peak": base_peak, "noise": noise, "rows": rows}, indent=2)
     )
+    from autockpt.measure.figures import new_figure, save
+
     try:
-        from autockpt.measure.figures import pyplot, save
+        fig, ax = new_figure("frontier.py", (7, 4.5))
     except ImportError:
         return
-    plt = pyplot("frontier.py")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     for system in dict.fromkeys(r["system"] for r in ok):
         pts = sorted((r["peak ratio"], r["time ratio"]) for r in ok if r["system"] == system)
         swept = system in ("autockpt recompute-all", "autockpt auto")

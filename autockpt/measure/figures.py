@@ -1,7 +1,10 @@
 """Drawing support shared by the trade-off and the memory timeline: matplotlib on demand.
 
 matplotlib is optional (the ``plot``, ``bench`` and ``dev`` extras); only drawing needs it,
-so it is imported when a figure is made, with the Agg back end (files, no display).
+so it is imported when a figure is made. Figures are made with matplotlib's object API
+(``matplotlib.figure.Figure``), not pyplot: pyplot keeps every figure it made until it is
+closed (past 20 it warns) and choosing a back end for it would change the caller's; a
+``Figure`` is freed with its last reference, saves itself to files and shows in notebooks.
 """
 
 from __future__ import annotations
@@ -10,25 +13,22 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["pyplot", "save"]
+__all__ = ["new_figure", "save"]
 
 
-def pyplot(who: str) -> Any:
-    """``matplotlib.pyplot`` on the Agg back end; ``who`` names the caller in the error."""
+def new_figure(who: str, figsize: tuple[float, float]) -> tuple[Any, Any]:
+    """A new matplotlib figure with one axes; ``who`` names the caller in the error."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError as err:
         raise ImportError(f"{who} needs matplotlib: pip install matplotlib (or autockpt[plot])") from err
-    return plt
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots()
 
 
 def save(fig: Any, path: str | Path, formats: Iterable[str]) -> list[Path]:
-    """Write ``fig`` as ``path`` with each suffix in ``formats``, close it; the files written."""
+    """Write ``fig`` as ``path`` with each suffix in ``formats``; the files written."""
     out = [Path(path).with_suffix(f".{fmt}") for fmt in formats]
     for file in out:
         fig.savefig(file, dpi=120)
-    pyplot("saving a figure").close(fig)
     return out

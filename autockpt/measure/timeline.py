@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from autockpt.measure.allocator import MARK, open_session
-from autockpt.measure.figures import pyplot, save
+from autockpt.measure.figures import new_figure, save
 from autockpt.measure.losses import LossFn, training_step
 from autockpt.measure.sandbox import preserved, recomputing
 from autockpt.measure.tensors import device_of, static_bytes
@@ -139,9 +139,8 @@ class MemoryTimeline:
 
     def figure(self) -> Any:
         """A matplotlib figure: bytes held (y) through the step (x, ms), peaks marked."""
-        plt = pyplot("MemoryTimeline.figure")
         mib = 2**20
-        fig, ax = plt.subplots(figsize=(10, 4.5))
+        fig, ax = new_figure("MemoryTimeline.figure", (10, 4.5))
         for c in self.curves:
             (line,) = ax.plot(
                 c.times_ms, [b / mib for b in c.bytes], ":" if c.measured else "-", label=c.label

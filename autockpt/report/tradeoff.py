@@ -26,7 +26,7 @@ from torch import nn
 
 from autockpt.api import apply_plan
 from autockpt.errors import PlanInfeasibleError
-from autockpt.measure.figures import pyplot, save
+from autockpt.measure.figures import new_figure, save
 from autockpt.measure.losses import LossFn, training_step
 from autockpt.measure.step import measure_step
 from autockpt.measure.tensors import as_args
@@ -93,9 +93,8 @@ class Tradeoff:
 
     def figure(self) -> Any:
         """A matplotlib figure: peak (x) against step time (y), predicted (and measured)."""
-        plt = pyplot("Tradeoff.figure")
         mib = 2**20
-        fig, ax = plt.subplots(figsize=(9.5, 4.5))
+        fig, ax = new_figure("Tradeoff.figure", (9.5, 4.5))
         measured = all(p.measured_peak_bytes is not None for p in self.points)
         for which, marker_style in (
             (("predicted", "-"), ("measured", ":")) if measured else (("predicted", "-"),)
