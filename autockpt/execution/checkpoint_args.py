@@ -20,6 +20,7 @@ from autockpt.walkers.chain import Stage
 
 __all__ = ["device_hints", "may_use_rng", "rng_free_modules"]
 
+
 # Stock torch.nn modules whose forward draws no random numbers: a segment of only these (exact
 # types, no hooks) skips torch's RNG stash (a 5 KiB CPU state kept until the segment's backward,
 # and the fork on recompute). Anything else (Dropout, RReLU, custom modules) may use the RNG.

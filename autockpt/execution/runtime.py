@@ -97,6 +97,7 @@ from autockpt.execution.lean_checkpoint import lean_applies, lean_checkpoint
 from autockpt.execution.policies import OpPolicy, SelectiveRecompute
 from autockpt.execution.recompute_check import OpRecorder, output_metadata, run_stage, stage_mismatch
 from autockpt.measure.sandbox import (
+    CHECKPOINT_OPTIONS,
     BufferSlot,
     buffer_slots,
     private_copies,
@@ -204,7 +205,7 @@ def checkpoint_segment(rt: SegmentRuntime, x: Any) -> Any:
     if torch.compiler.is_compiling():  # see NOTE [Under torch.compile]
         leaves, spec = tree_flatten(x)
         return torch.utils.checkpoint.checkpoint(
-            functools.partial(compiled_body, rt, spec), *leaves, use_reentrant=False
+            functools.partial(compiled_body, rt, spec), *leaves, **CHECKPOINT_OPTIONS
         )
     hints, others = device_hints(x)
     device = hints[0].device if hints else _CPU
@@ -222,7 +223,7 @@ def checkpoint_segment(rt: SegmentRuntime, x: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(
         _SegmentCall(rt, x, others),
         *hints,
-        use_reentrant=False,
+        **CHECKPOINT_OPTIONS,
         preserve_rng_state=may_use_rng(rt.rng_free),
         context_fn=noop_context_fn if rt.selective is None else rt.selective,
     )

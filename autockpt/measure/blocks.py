@@ -88,7 +88,7 @@ from autockpt.errors import AutockptError
 from autockpt.measure.losses import training_step
 from autockpt.measure.memory import Windows
 from autockpt.measure.profile import Profile
-from autockpt.measure.sandbox import preserved, recomputing
+from autockpt.measure.sandbox import CHECKPOINT_OPTIONS, preserved, recomputing
 from autockpt.measure.stage_profile import StageTimes, measured_stage_in
 from autockpt.measure.tensors import (
     arguments_key,
@@ -269,7 +269,7 @@ def _measuring_forward(
                 torch.Tensor, lambda t: alias if t is first_in else t, (args, kwargs)
             )
         step.mark(f"block {pos}")
-        out = checkpoint(lambda *a, **k: call((a, k)), *args, use_reentrant=False, **kwargs)
+        out = checkpoint(lambda *a, **k: call((a, k)), *args, **CHECKPOINT_OPTIONS, **kwargs)
         outs = tensors_in(out)
         step.block_outputs += [weakref.ref(t) for t in outs]
         first_out = next((t for t in outs if t.requires_grad), None)

@@ -22,6 +22,8 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from autockpt.measure.sandbox import CHECKPOINT_OPTIONS
+
 __all__ = ["selective_dispatch_ms"]
 
 _OPS = 200  # ops per timed run: long enough to dwarf the checkpoint's own fixed cost
@@ -47,7 +49,7 @@ def _measured(device: str) -> float:
         best = float("inf")
         for _ in range(_RUNS + 1):  # the first run warms up
             start = time.perf_counter()
-            out = checkpoint(_chain, x, use_reentrant=False, context_fn=context_fn)
+            out = checkpoint(_chain, x, **CHECKPOINT_OPTIONS, context_fn=context_fn)
             out.sum().backward()
             if x.device.type == "cuda":
                 torch.cuda.synchronize(x.device)

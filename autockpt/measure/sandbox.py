@@ -11,6 +11,7 @@ count calls. This module owns that promise: :func:`dry_run_state` around an extr
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from torch import nn
 from autockpt.measure.tensors import tensors_in
 
 __all__ = [
+    "CHECKPOINT_OPTIONS",
     "BufferSlot",
     "RngState",
     "buffer_slots",
@@ -34,6 +36,22 @@ __all__ = [
 ]
 
 _local = threading.local()
+
+# NOTE [Saved-tensor hooks around a checkpoint]
+#     (The options autockpt passes to every call of torch's checkpoint, in profiles too.)
+#     A user's saved_tensors_hooks around the step (save_on_cpu, an offloading or packing hook)
+#     should see every tensor kept until backward. Inside a checkpointed segment autograd
+#     keeps only the segment's inputs, and the hooks see those as ever; what an op policy
+#     keeps is held by the checkpoint itself, outside autograd, and torch routes it through
+#     the user's hooks only when asked (respect_saved_tensors_hooks=True: left unset it keeps
+#     the old bypass and warns while a hook is in scope, and torch means to flip the default).
+#     autockpt asks, at every call of torch's checkpoint, so a policy's kept outputs are
+#     offloaded like everything else in eager runs. Under torch.compile torch leaves kept
+#     tensors to the compiled graph and the argument changes nothing. A torch without the
+#     argument (before 2.14) keeps the bypass.
+CHECKPOINT_OPTIONS: dict[str, Any] = {"use_reentrant": False}
+if "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters:
+    CHECKPOINT_OPTIONS["respect_saved_tensors_hooks"] = True
 
 
 def is_recomputing() -> bool:
