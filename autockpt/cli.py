@@ -298,7 +298,14 @@ def _cmd_tradeoff(args: argparse.Namespace) -> int:
     else:
         print(sweep)
     args.out.mkdir(parents=True, exist_ok=True)
-    files = sweep.plot(args.out / "tradeoff")
+    try:
+        files = sweep.plot(args.out / "tradeoff")
+    except ImportError:  # the table above is the answer; the picture is extra
+        print(
+            "autockpt: the figure needs matplotlib, which is not installed: pip install 'autockpt[plot]'",
+            file=sys.stderr,
+        )
+        return 0
     print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)
     return 0
 
@@ -316,7 +323,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     )  # fmt: skip
     report = autockpt.verify(model, inputs, loss_fn=_LOSSES[args.loss], atol=args.atol, rtol=args.rtol)
     print(report.to_json() if args.json else report)
-    return 0 if report.ok else 1
+    return 0 if report.ok else MISMATCH_EXIT
 
 
 def _loss_for_plan(args: argparse.Namespace) -> Callable[[Any], torch.Tensor] | None:
@@ -388,11 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code.
 
-    Exit codes: 0 done; 1 the answer is no (``verify`` found a mismatch, ``plan`` an
-    infeasible budget); 2 a bad command line (argparse's usage error); 3 an error while
-    building, planning or running the model, printed as one ``autockpt: error:`` line that
-    says whether the model's code or autockpt raised it. ``--debug`` lets the traceback
-    through instead.
+    Exit codes: 0 done; 1 ``verify`` found a mismatch; 2 a bad command line (argparse's
+    usage error); 3 an error while building, planning or running the model, printed as one
+    ``autockpt: error:`` line that says whether the model's code or autockpt raised it
+    (``--debug`` lets the traceback through instead); 4 no plan fits the budget (the
+    message names the smallest one that does).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -404,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     except PlanInfeasibleError as err:  # an answer, not a failure: no plan fits
         print(f"autockpt: {err}", file=sys.stderr)
-        return 1
+        return INFEASIBLE_EXIT
     except Exception as err:
         if args.debug:
             raise
@@ -413,7 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-ERROR_EXIT = 3
+MISMATCH_EXIT = 1  # verify: checkpointing changed an output, gradient or buffer
+ERROR_EXIT = 3  # building, planning or running the model raised
+INFEASIBLE_EXIT = 4  # no plan fits the budget
 
 
 def _raised_by(err: BaseException) -> str:

@@ -126,9 +126,13 @@ def test_bad_command_lines_exit_2_with_the_reason(
     assert code == 2 and message in err
 
 
-def test_an_infeasible_budget_exits_1_naming_the_floor(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(["plan", "autockpt.models:NiN", "--input", "8x3x32x32", "--budget", "1KiB"], capsys)
-    assert code == 1 and "smallest achievable peak" in err
+@pytest.mark.parametrize("command", ["plan", "verify"])
+def test_an_infeasible_budget_exits_4_naming_the_floor(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """4, not verify's 1 for a mismatch: no plan fits, nothing was found wrong."""
+    code, _, err = run([command, "autockpt.models:NiN", "--input", "8x3x32x32", "--budget", "1KiB"], capsys)
+    assert code == 4 and "smallest achievable peak" in err
 
 
 def test_python_dash_m_runs_the_same_command() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,15 @@ def test_the_command_prints_the_table_and_writes_the_pictures(
     out = capsys.readouterr().out
     assert code == 0 and out.startswith("plan") and "unwrapped" in out and "budget" in out
     assert (tmp_path / "tradeoff.png").exists() and (tmp_path / "tradeoff.svg").exists()
+
+
+def test_the_command_without_matplotlib_prints_the_table_and_says_what_to_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from autockpt.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import matplotlib.figure fails
+    code = main(["tradeoff", "autockpt.models:NiN", "--input", "4x3x32x32", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0 and captured.out.startswith("plan") and "unwrapped" in captured.out
+    assert "autockpt[plot]" in captured.err and not list(tmp_path.iterdir())
