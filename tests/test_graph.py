@@ -303,6 +303,40 @@ def test_optional_arguments_are_traced_for_the_call_and_checkpointed_either_way(
     assert patterns == {frozenset(), frozenset({"mask"})}
 
 
+class TwoTowers(nn.Module):
+    """Every argument defaults to None (open_clip's CLIP.forward): the defaults' trace is one
+    stage that checkpoints nothing (NOTE [A trace of another call checkpoints nothing])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.img = nn.Sequential(*(m for _ in range(6) for m in (nn.Linear(32, 32), nn.GELU())))
+        self.txt = nn.Sequential(*(m for _ in range(6) for m in (nn.Linear(32, 32), nn.GELU())))
+
+    def forward(
+        self, image: torch.Tensor | None = None, text: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (
+            self.img(image) if image is not None else None,
+            self.txt(text) if text is not None else None,
+        )
+
+
+def test_an_all_none_default_trace_is_traced_again_for_the_real_call() -> None:
+    torch.manual_seed(0)
+    ref = TwoTowers().double()
+    with pytest.warns(UserWarning, match=r"traced with its optional arguments \['image', 'text'\] as None"):
+        model = autockpt.auto_checkpoint(copy.deepcopy(ref))  # no example inputs: the defaults' trace
+    assert model.forward.plan.checkpointed_segments == 0
+    image, text = torch.randn(8, 32, dtype=torch.float64), torch.randn(8, 32, dtype=torch.float64)
+    for m in (ref, model):
+        for _ in range(2):
+            out = m(image=image, text=text)
+            (out[0].square().sum() + out[1].sum()).backward()
+    assert model.forward.plan.checkpointed_segments > 0
+    assert model.forward.walked.program.none_args == frozenset()
+    assert_same_state(ref, model)
+
+
 class WritesIntoItsInput(nn.Module):
     """A residual block whose code starts by writing into its input, as many blocks do."""
 

@@ -9,6 +9,14 @@ NOTE [The one-time dry run]
     :func:`autockpt.is_recomputing` is true during it. If it finds a module that the
     plan put right after a boundary, the plan is made again with the same strategy.
 
+NOTE [A trace of another call checkpoints nothing]
+    A graph-walked model is traced for one pattern of ``None`` arguments (NOTE [Optional
+    arguments] in ``walkers/graph.py``). Without example inputs that is its defaults', and
+    where every argument defaults to ``None`` (open_clip's ``CLIP.forward(image=None,
+    text=None)``) the trace is one stage that checkpoints nothing. So the call pattern is
+    checked before the "nothing checkpointed" shortcut, and a call the trace does not fit
+    is traced again for its own pattern, whatever the first plan checkpointed.
+
 NOTE [One compiled frame per model]
     Under ``torch.compile(model)`` the first frame dynamo compiles is the model's
     ``forward``, and with autockpt installed that is ``CheckpointedForward.__call__``: one
@@ -193,11 +201,11 @@ class CheckpointedForward:
         return self._plain(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or self.plan.checkpointed_segments == 0:
+        program = self.walked.program
+        if not torch.is_grad_enabled() or (self.plan.checkpointed_segments == 0 and program is None):
             return self._plain(*args, **kwargs)
         if self.walked.walker == "blocks":
             return self._training_blocks(args, kwargs)
-        program = self.walked.program
         if program is None:
             if len(args) != 1 or kwargs:
                 return self._plain(*args, **kwargs)  # let the model raise its own TypeError
@@ -228,6 +236,8 @@ class CheckpointedForward:
                             stacklevel=3,
                         )
                     return self._plain(*args, **kwargs)
+            if self.plan.checkpointed_segments == 0:  # NOTE [A trace of another call checkpoints nothing]
+                return self._plain(*args, **kwargs)
         if self.probe is None:
             self._dry_run(x)
         out = run_segments(self.runtime, x)

@@ -95,8 +95,10 @@ def prepare(
         )  # fmt: skip
         if policy_fn is not None:
             costs = dataclasses.replace(costs, keep_only=policy_masks(costs.profile, policy_fn))
+    no_inputs = example_inputs is None and not example_kwargs
+    none_traced = walked.program.none_args if walked.program is not None and no_inputs else frozenset()
     plan = build_plan(chain, "budget" if budget is not None else segments, where=where,
-                      notes=walked.notes, budget=costs)  # fmt: skip
+                      notes=walked.notes, budget=costs, traced_as_none=none_traced)  # fmt: skip
     if policy is not None and policy != plan.policy:
         plan = dataclasses.replace(plan, policy=policy)
     return walked, dry, chain, plan
@@ -183,13 +185,15 @@ def build_plan(
     where: str,
     notes: Sequence[str] = (),
     budget: BudgetCosts | None = None,
+    traced_as_none: frozenset[str] = frozenset(),
 ) -> Plan:
     """Turn a chain and a ``segments`` argument, or measured costs and a budget, into a Plan.
 
     Selection order: a Plan passes through (its stages must match); a budget runs the
     ``"budget"`` planner on the profile; an int is a segment count; a string names a
     registered planner; any other callable is a custom planner. Then the chain's rules apply
-    (see the module docstring).
+    (see the module docstring). ``traced_as_none``: the optional arguments a trace made
+    without example inputs took as ``None``; a plan that checkpoints nothing then says so.
     """
     n = len(chain.stages)
     if n == 0:
@@ -227,6 +231,13 @@ def build_plan(
         msg = f"{where}: {why}, which is never recomputed, so checkpointing cannot lower the peak." + (
             f" Try {' or '.join(helps)}." if helps else ""
         )
+        if traced_as_none:  # NOTE [A trace of another call checkpoints nothing] in execution/forward.py
+            msg = (
+                f"{where}: without example inputs the model was traced with its optional arguments "
+                f"{sorted(traced_as_none)} as None, and that trace leaves nothing to checkpoint ({why}); "
+                f"the first call that passes them is traced and planned again. Pass example_inputs=... "
+                f"(or example_kwargs=...) as you call the model to plan for that call now."
+            )
         warnings.warn(msg, UserWarning, stacklevel=4)
         plan = dataclasses.replace(plan, notes=(*plan.notes, msg))
     elif budget is None and spec != "none":
