@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["new_figure", "save"]
+__all__ = ["finish_figure", "new_figure", "save"]
 
 
 def new_figure(who: str, figsize: tuple[float, float]) -> tuple[Any, Any]:
@@ -24,6 +24,16 @@ def new_figure(who: str, figsize: tuple[float, float]) -> tuple[Any, Any]:
         raise ImportError(f"{who} needs matplotlib: pip install matplotlib (or autockpt[plot])") from err
     fig = Figure(figsize=figsize)
     return fig, fig.subplots()
+
+
+def finish_figure(fig: Any, ax: Any, *, xlabel: str, ylabel: str, title: str) -> Any:
+    """Label the axes, put the legend to the right of the plot, lay out; returns ``fig``."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return fig
 
 
 def save(fig: Any, path: str | Path, formats: Iterable[str]) -> list[Path]:

@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from autockpt.measure.allocator import MARK, open_session
-from autockpt.measure.figures import new_figure, save
+from autockpt.measure.figures import finish_figure, new_figure, save
 from autockpt.measure.losses import LossFn, training_step
 from autockpt.measure.sandbox import preserved, recomputing
 from autockpt.measure.tensors import device_of, static_bytes
@@ -149,12 +149,10 @@ class MemoryTimeline:
                 c.peak_ms, c.peak_bytes / mib, "v", color=line.get_color(), markersize=9,
                 label=f"peak {format_bytes(c.peak_bytes)}: {c.peak_at}",
             )  # fmt: skip
-        ax.set_xlabel("time in the step (ms; predicted from the profile, or measured)")
-        ax.set_ylabel("memory held (MiB)")
-        ax.set_title("autockpt: memory through one training step")
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
-        return fig
+        return finish_figure(
+            fig, ax, xlabel="time in the step (ms; predicted from the profile, or measured)",
+            ylabel="memory held (MiB)", title="autockpt: memory through one training step",
+        )  # fmt: skip
 
     def plot(self, path: str | Path, formats: Iterable[str] = ("png", "svg")) -> list[Path]:
         """Save :meth:`figure` as ``path`` with each suffix in ``formats``; the files written."""

@@ -26,7 +26,7 @@ from torch import nn
 
 from autockpt.api import apply_plan
 from autockpt.errors import PlanInfeasibleError
-from autockpt.measure.figures import new_figure, save
+from autockpt.measure.figures import finish_figure, new_figure, save
 from autockpt.measure.losses import LossFn, training_step
 from autockpt.measure.step import measure_step
 from autockpt.measure.tensors import as_args
@@ -116,12 +116,10 @@ class Tradeoff:
                     if p.kind == kind:
                         ax.plot(*xy(p), marker, markersize=11, label=f"{name} ({which})")
         ax.axvline(self.floor_bytes / mib, color="grey", linestyle="--", label="floor")
-        ax.set_xlabel("peak memory of a training step (MiB)")
-        ax.set_ylabel("step time (ms)")
-        ax.set_title("autockpt: memory / time trade-off")
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
-        return fig
+        return finish_figure(
+            fig, ax, xlabel="peak memory of a training step (MiB)", ylabel="step time (ms)",
+            title="autockpt: memory / time trade-off",
+        )  # fmt: skip
 
     def plot(self, path: str | Path, formats: Iterable[str] = ("png", "svg")) -> list[Path]:
         """Save :meth:`figure` as ``path`` with each suffix in ``formats``; the files written."""
