@@ -1,6 +1,6 @@
 """The ``autockpt`` command: profile, plan, weigh and verify any importable model factory.
 
-    autockpt plan torchvision.models:resnet50 --input 8x3x224x224 --budget 0.5
+    autockpt plan torchvision.models:resnet50 --input 8x3x224x224 --budget 0.6
     autockpt verify autockpt.models:NiN --input 16x3x32x32 --segments sqrt
     autockpt profile mypkg.nets:build --kwargs '{"depth": 12}' --input 4x256:int64 --json
     autockpt tradeoff autockpt.models:NiN --input 64x3x32x32 --measure --out plots
