@@ -133,3 +133,17 @@ def test_verify_on_a_block_walked_model_leaves_no_forward_behind() -> None:
     assert {name for name, m in gpt.named_modules() if "forward" in vars(m)} == installed
     autockpt.restore(gpt)
     assert not any("forward" in vars(m) for m in gpt.modules())
+
+
+def test_verify_right_after_wrapping_without_inputs_checks_the_plan_training_installs() -> None:
+    """Without example inputs the installed plan is provisional: the first training step's dry
+    run replaces it. verify checks the plan that step installs, and says so."""
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    model = autockpt.auto_checkpoint(autockpt.models.NiN(10).double())
+    provisional = model.forward.plan
+    report = autockpt.verify(model, (x,))
+    assert report.ok and "provisional" in report.note and "note: the installed plan" in str(report)
+    assert model.forward.plan == provisional  # verify left the model as it was
+    model(x).sum().backward()  # the first training step
+    assert model.forward.plan != provisional and report.plan == model.forward.plan
+    assert autockpt.verify(model, (x,)).note == ""

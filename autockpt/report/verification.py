@@ -8,6 +8,7 @@ is left exactly as it was: forward, buffers, ``.grad`` and RNG state.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class VerifyReport:
         tensor_peak_bytes_checkpointed: tensor-level peak of the checkpointed step.
         atol: absolute tolerance used.
         rtol: relative tolerance used.
+        note: what was verified when it is not simply the installed plan (empty otherwise).
     """
 
     plan: Plan
@@ -62,6 +64,7 @@ class VerifyReport:
     tensor_peak_bytes_checkpointed: int
     atol: float
     rtol: float
+    note: str = ""
 
     @property
     def ok(self) -> bool:
@@ -93,6 +96,7 @@ class VerifyReport:
                 f"checkpointed {format_bytes(self.peak_bytes_checkpointed)} ({self.peak_ratio:.2f}x)",
                 f"  peak (tensors)    unwrapped {format_bytes(self.tensor_peak_bytes_unwrapped)}, "
                 f"checkpointed {format_bytes(self.tensor_peak_bytes_checkpointed)}",
+                *([f"  note: {self.note}"] if self.note else []),
             ]
         )
 
@@ -139,6 +143,16 @@ def verify(
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     current = installed(model)
     spec: SegmentsSpec = segments if segments is not None else (current.plan if current else "sqrt")
+    note = ""
+    provisional = current is not None and current.probe is None and not isinstance(current.spec, Plan)
+    if segments is None and provisional and current is not None and current.spec is not None:
+        # made without example inputs, the installed plan is replaced by the first training
+        # step's dry run: check the plan that step installs, made the same way from these inputs
+        spec = current.spec
+        note = (
+            "the installed plan was provisional (made without example inputs); verified is the "
+            "plan the first training step on inputs like these installs"
+        )
     if policy is None and segments is None and current is not None and current.policy_fn is not None:
         policy = current.policy_fn  # the installed plan's, which may be a function
     with preserved(model, [list(args), kwargs]) as fresh:
@@ -157,7 +171,7 @@ def verify(
             run_step(model, args, kwargs, loss_fn)
         fresh()
         checkpointed = run_step(model, args, kwargs, loss_fn)
-    return _compare(plan, reference, checkpointed, atol, rtol)
+    return dataclasses.replace(_compare(plan, reference, checkpointed, atol, rtol), note=note)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
