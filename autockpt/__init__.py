@@ -10,6 +10,7 @@ Examples:
 from autockpt import models
 from autockpt.api import auto_checkpoint, make_plan, restore
 from autockpt.errors import AutockptError, MutationError, PlanInfeasibleError
+from autockpt.execution.linear_cross_entropy import linear_cross_entropy
 from autockpt.execution.policies import available_policies, register_policy
 from autockpt.execution.recompute_check import RecomputeMismatchError
 from autockpt.measure.memory import MemoryStats, track_memory
@@ -43,6 +44,7 @@ __all__ = [
     "available_policies",
     "find_graph_breaks",
     "is_recomputing",
+    "linear_cross_entropy",
     "make_plan",
     "models",
     "profile",

@@ -20,6 +20,7 @@ from torch import nn
 
 from autockpt.errors import AutockptError, PlanInfeasibleError
 from autockpt.execution.forward import CheckpointedForward, install, installed, uninstall
+from autockpt.execution.lm_head import set_head
 from autockpt.execution.policies import OpPolicy, resolve_policy
 from autockpt.measure.losses import LossFn
 from autockpt.measure.step import measure_step
@@ -46,6 +47,8 @@ def auto_checkpoint(
     check: bool = False,
     debug: bool = False,
     policy: str | OpPolicy | None = None,
+    head: str = "whole",
+    head_chunks: int | str = "auto",
 ) -> nn.Module:
     """Checkpoint ``model`` in place so training keeps fewer activations alive.
 
@@ -106,6 +109,17 @@ def auto_checkpoint(
             change in place (NOTE [Kept outputs changed in place] in
             ``execution/policies.py``); under
             ``torch.compile`` the policy is not applied.
+        head: ``"whole"`` (the default) leaves the model's head and loss as they are;
+            ``"chunked"`` computes a Hugging Face causal LM's loss (called with ``labels=``
+            and gradients on) by :func:`autockpt.linear_cross_entropy`, so the logits for
+            every token never exist at once: the largest tensors of a language model's step.
+            The loss and every gradient are bitwise the model's own, except the head
+            weight's (and its bias's, and the embedding tied to it), which are summed over
+            chunks of tokens in another order. The output's ``logits`` are then ``None``;
+            calls without labels or under ``torch.no_grad()`` return them as before. See
+            NOTE [The head inside the model's own forward] in ``execution/lm_head.py``.
+        head_chunks: with ``head="chunked"``, ``"auto"`` or the number of token chunks
+            (``linear_cross_entropy``'s ``chunks``).
 
     Returns:
         ``model`` itself.
@@ -113,7 +127,8 @@ def auto_checkpoint(
     Raises:
         TypeError: ``model`` is not a Module, or ``segments`` or ``debug`` has the wrong type.
         ValueError: ``segments`` is out of range or names no planner.
-        AutockptError: the model has nothing to checkpoint or cannot be walked.
+        AutockptError: the model has nothing to checkpoint or cannot be walked, or
+            ``head="chunked"`` on a model whose loss autockpt cannot take over.
 
     Examples:
         >>> import autockpt, torch
@@ -134,13 +149,20 @@ def auto_checkpoint(
             )
         auto_checkpoint(inner, segments, budget=budget, example_inputs=example_inputs,
                         example_kwargs=example_kwargs, mode=mode, loss_fn=loss_fn, check=check,
-                        debug=debug, policy=policy)  # fmt: skip
+                        debug=debug, policy=policy, head=head, head_chunks=head_chunks)  # fmt: skip
         return model
     name, fn = _policy(policy, segments, "auto_checkpoint")
+    set_head(model, head, head_chunks, where="auto_checkpoint")
     walked, probe, chain, plan = prepare(
         model, segments, budget, example_inputs, example_kwargs, mode,
         where="auto_checkpoint", loss_fn=loss_fn, previous=_previous(model), policy=name, policy_fn=fn,
     )  # fmt: skip
+    if head == "chunked" and walked.walker != "blocks":
+        set_head(model, "whole", where="auto_checkpoint")
+        raise AutockptError(
+            f"auto_checkpoint: head='chunked' runs {type(model).__name__}'s own forward with its blocks "
+            f"checkpointed, but the {walked.walker} walker replaces that forward. Use mode='blocks'."
+        )
     spec = plan if budget is not None else segments
     install(model, walked, chain, plan, spec, probe, replanner=REPLANNER, debug=debug, policy_fn=fn)
     if check and budget is not None:
@@ -275,6 +297,7 @@ def restore(model: nn.Module) -> nn.Module:
             f"restore: this {type(model).__name__} is not checkpointed by autockpt, so there is "
             f"nothing to restore. Call autockpt.auto_checkpoint(model) first."
         )
+    set_head(model, "whole", where="restore")
     return model
 
 
