@@ -219,3 +219,31 @@ def test_cpu_inputs_replay_under_the_forwards_cuda_autocast(autocast_in: str) ->
             loss.backward()
         grads.append([p.grad for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_loss_on_cuda_is_bitwise_but_the_head(dtype: torch.dtype) -> None:
+    """NOTE [Chunks that change no bit] rests on matrix products whose rows do not depend
+    on the row count; this decides whether cuBLAS keeps that (a split-K kernel for a short
+    chunk would not)."""
+    from torch.nn import functional as F  # noqa: N812
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(2, 1000, 256, device="cuda", dtype=dtype, generator=g)
+    weight = torch.randn(50257, 256, device="cuda", dtype=dtype, generator=g) * 0.02
+    target = torch.randint(0, 50257, (2, 1000), device="cuda", generator=g)
+    target[:, :100] = -100
+    results = []
+    for chunked in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if chunked:
+            loss = autockpt.linear_cross_entropy(h, w, target, chunks=8)
+        else:
+            loss = F.cross_entropy(F.linear(h, w).reshape(-1, 50257), target.reshape(-1))
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    (loss0, h0, w0), (loss1, h1, w1) = results
+    assert torch.equal(loss1, loss0)
+    assert torch.equal(h1, h0), f"hidden gradient differs by {(h1 - h0).abs().max().item():.3e}"
+    assert ((w1 - w0).abs().max() / w0.abs().max()).item() < (1e-12 if dtype == torch.float64 else 1e-5)

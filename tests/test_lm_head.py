@@ -197,3 +197,27 @@ class TinyLMClassLoss(TinyLM):
     """Its loss function a class attribute, which head="chunked" cannot swap."""
 
     loss_function = staticmethod(ForCausalLMLoss)
+
+
+def test_transformers_enable_takes_head():
+    from autockpt.integrations.transformers import disable, enable
+
+    model = enable(llama(), head="chunked")
+    ids, labels = batches(1)[0]
+    assert model(input_ids=ids, labels=labels).logits is None
+    disable(model)
+    assert model(input_ids=ids, labels=labels).logits is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_verify_holds_the_head_to_its_bound_and_the_rest_bitwise(dtype):
+    model = autockpt.auto_checkpoint(gpt2().to(dtype), head="chunked", head_chunks=3)
+    ids, labels = batches(1)[0]
+    report = autockpt.verify(model, (), example_kwargs={"input_ids": ids, "labels": labels})
+    assert report.ok, report.mismatches
+    assert report.param_grad_max_abs_diff == 0.0 and report.output_max_abs_diff == 0.0
+    assert report.head_grad_rel_diff is not None and report.head_grad_rel_diff <= report.head_grad_bound
+    assert "head gradients" in str(report)
+    assert model(input_ids=ids, labels=labels).logits is None  # verify left the head on
+    whole = autockpt.verify(model, (), example_kwargs={"input_ids": ids, "labels": labels}, head="whole")
+    assert whole.ok and whole.head_grad_rel_diff is None

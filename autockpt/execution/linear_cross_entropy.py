@@ -32,6 +32,16 @@ NOTE [Gradients in the forward]
     scaled before ``backward``, ``reduction="none"``), multiplying afterwards would round
     differently, so the backward runs the chunks again with the real gradient: exact,
     at twice the head's time.
+
+NOTE [Two chunk-sized buffers]
+    A chunk holds its head output until the log-softmax has read it, then the
+    log-probabilities and the gradient arriving at them (zeros but at the targets). The
+    log-softmax's backward kernel (``_log_softmax_backward_data``, what autograd's
+    ``LogSoftmaxBackward0`` calls) writes its result over that gradient: per row it sums
+    the gradient, then writes each element from the same element, so the values are the
+    kernel's own (the bitwise tests would catch a kernel that did otherwise). Two
+    logits-sized buffers per chunk, then, where autograd would hold four. With soft-capping
+    or a cast between head and log-softmax, the head output also lives on to backward.
 """
 
 from __future__ import annotations
@@ -112,7 +122,7 @@ def linear_cross_entropy(
         bias: ``(V,)`` head bias, or ``None``.
         ignore_index, reduction, label_smoothing: as for ``F.cross_entropy``.
         softcap: cap logits to ``(-softcap, softcap)`` with ``tanh`` first.
-        chunks: ``"auto"`` (chunks of about 16 MiB of float32 logits) or the number of
+        chunks: ``"auto"`` (chunks whose logits take about the weight's bytes) or the number of
             chunks. Chunks have a multiple of 16 tokens; the last takes the rest.
         divisor: divide the reduced loss by this (Hugging Face's ``num_items_in_batch``
             with ``reduction="sum"``).
@@ -156,10 +166,12 @@ def chunk_bounds(tokens: int, chunks: int | str, rows: int) -> tuple[tuple[int, 
 
 
 def auto_rows(weight: torch.Tensor, ce_dtype: torch.dtype) -> int:
-    """``chunks="auto"``: rows per chunk such that a chunk's two logits-sized buffers
-    (NOTE [Two chunk-sized buffers]) take about the head weight's bytes, which its gradient
-    takes anyway: the head then never holds more than about twice its weight."""
-    per_row = 2 * weight.shape[0] * torch.finfo(ce_dtype).bits // 8
+    """``chunks="auto"``: rows per chunk such that a chunk's logits take about the head
+    weight's bytes, so that its two logits-sized buffers (NOTE [Two chunk-sized buffers])
+    and the head's gradient hold about three times the weight. Smaller chunks cost time:
+    every chunk reads the whole weight twice and adds into its whole gradient once
+    (``docs/head.md`` has the measured trade-off)."""
+    per_row = weight.shape[0] * torch.finfo(ce_dtype).bits // 8
     return max(ROW_MULTIPLE, weight.numel() * weight.element_size() // per_row)
 
 

@@ -35,7 +35,7 @@ from torch import nn
 from autockpt.errors import AutockptError
 from autockpt.execution.linear_cross_entropy import linear_cross_entropy
 
-__all__ = ["HEADS", "ChunkedHeadForward", "installed_head", "set_head"]
+__all__ = ["HEADS", "ChunkedHeadForward", "head_parameters", "installed_head", "set_head"]
 
 HEADS = ("whole", "chunked")
 
@@ -174,6 +174,17 @@ def installed_head(model: nn.Module) -> ChunkedHeadForward | None:
     fwd = model.__dict__.get("forward")
     fwd = getattr(fwd, "original_forward", fwd)
     return fwd if isinstance(fwd, ChunkedHeadForward) else None
+
+
+def head_parameters(model: nn.Module) -> tuple[str, ...]:
+    """The names of the chunked head's parameters (a tied embedding's name where Hugging
+    Face lists the shared weight under it): the gradients chunking sums in another order."""
+    fwd = installed_head(model)
+    if fwd is None:
+        return ()
+    head = getattr(model, fwd.head_name)
+    mine = {id(p) for p in head.parameters()}
+    return tuple(n for n, p in model.named_parameters() if id(p) in mine)
 
 
 def set_head(model: nn.Module, head: str, chunks: int | str = "auto", *, where: str) -> None:

@@ -36,6 +36,8 @@ class AutoCheckpoint(Callback):  # type: ignore[misc]
         module: the dotted name of the submodule to checkpoint (``"model"``,
             ``"backbone.encoder"``); by default the ``LightningModule`` itself.
         mode: force a walker (``"sequential"``, ``"graph"``, ``"blocks"``).
+        head: ``"chunked"`` computes a Hugging Face causal LM's loss (``module``, called with
+            ``labels=``) without whole logits, as :func:`autockpt.auto_checkpoint` does.
 
     Attributes:
         plan: the plan installed now (``None`` before ``fit`` and after it).
@@ -48,11 +50,13 @@ class AutoCheckpoint(Callback):  # type: ignore[misc]
         budget: int | float | str | None = None,
         module: str | None = None,
         mode: str | None = None,
+        head: str = "whole",
     ) -> None:
         self.segments = segments
         self.budget = budget
         self.module = module
         self.mode = mode
+        self.head = head
         self.plan: Any = None
         self._target: nn.Module | None = None
         self._inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
@@ -63,7 +67,9 @@ class AutoCheckpoint(Callback):  # type: ignore[misc]
             return
         target = pl_module if self.module is None else pl_module.get_submodule(self.module)
         self._target = target
-        auto_checkpoint(target, "sqrt" if self.budget is not None else self.segments, mode=self.mode)
+        auto_checkpoint(
+            target, "sqrt" if self.budget is not None else self.segments, mode=self.mode, head=self.head
+        )
         if self.budget is not None:
             self._handle = target.register_forward_pre_hook(self._keep_inputs, with_kwargs=True)
         self.plan = getattr(target.forward, "plan", None)
@@ -87,6 +93,7 @@ class AutoCheckpoint(Callback):  # type: ignore[misc]
             example_inputs=args,
             example_kwargs=kwargs or None,
             mode=self.mode,
+            head=self.head,
         )
         self.plan = getattr(self._target.forward, "plan", None)
 

@@ -57,6 +57,7 @@ def enable(
     example_kwargs: dict[str, Any] | None = None,
     mode: str | None = None,
     check: bool = False,
+    head: str = "whole",
 ) -> nn.Module:
     """Checkpoint a Hugging Face model with autockpt: the one-line replacement for
     ``model.gradient_checkpointing_enable()``.
@@ -65,7 +66,8 @@ def enable(
     checkpointings]), and ``config.use_cache`` is set to ``False`` until :func:`disable`
     (NOTE [Caches while training]). The arguments are :func:`autockpt.auto_checkpoint`'s;
     with a budget, the loss is the model's own ``out.loss`` when the example inputs carry
-    labels.
+    labels. ``head="chunked"`` computes a causal LM's loss without whole logits
+    (``docs/head.md``).
 
     Returns:
         ``model``, checkpointed in place.
@@ -100,6 +102,7 @@ def enable(
         mode=mode,
         loss_fn=_model_loss if budget is not None and has_labels else None,
         check=check,
+        head=head,
     )
 
 
@@ -125,7 +128,8 @@ class AutoCheckpointCallback(TrainerCallback):  # type: ignore[misc]
     With a ``budget``, the example inputs are the first ``per_device_train_batch_size``
     examples of the training set, collated as the trainer collates them, without touching
     the training dataloader (so the order and random state of training stay as they were);
-    pass ``example_kwargs`` for a dataset that cannot be indexed. Do not also set
+    pass ``example_kwargs`` for a dataset that cannot be indexed. ``head="chunked"`` as for
+    :func:`enable`. Do not also set
     ``TrainingArguments(gradient_checkpointing=True)`` (NOTE [Never two checkpointings]).
     """
 
@@ -136,11 +140,13 @@ class AutoCheckpointCallback(TrainerCallback):  # type: ignore[misc]
         budget: int | float | str | None = None,
         example_kwargs: dict[str, Any] | None = None,
         mode: str | None = None,
+        head: str = "whole",
     ) -> None:
         self.segments = segments
         self.budget = budget
         self.example_kwargs = example_kwargs
         self.mode = mode
+        self.head = head
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
@@ -157,7 +163,9 @@ class AutoCheckpointCallback(TrainerCallback):  # type: ignore[misc]
         if example is not None:
             device = next(model.parameters()).device
             example = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
-        enable(model, self.segments, budget=self.budget, example_kwargs=example, mode=self.mode)
+        enable(
+            model, self.segments, budget=self.budget, example_kwargs=example, mode=self.mode, head=self.head
+        )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         disable(kwargs["model"])
