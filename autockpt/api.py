@@ -20,7 +20,7 @@ from torch import nn
 
 from autockpt.errors import AutockptError, PlanInfeasibleError
 from autockpt.execution.forward import CheckpointedForward, install, installed, uninstall
-from autockpt.execution.lm_head import set_head
+from autockpt.execution.lm_head import can_chunk, installed_head, set_head
 from autockpt.execution.policies import OpPolicy, resolve_policy
 from autockpt.measure.losses import LossFn
 from autockpt.measure.step import measure_step
@@ -152,11 +152,24 @@ def auto_checkpoint(
                         debug=debug, policy=policy, head=head, head_chunks=head_chunks)  # fmt: skip
         return model
     name, fn = _policy(policy, segments, "auto_checkpoint")
+    had_head = installed_head(model) is not None
     set_head(model, head, head_chunks, where="auto_checkpoint")
-    walked, probe, chain, plan = prepare(
-        model, segments, budget, example_inputs, example_kwargs, mode,
-        where="auto_checkpoint", loss_fn=loss_fn, previous=_previous(model), policy=name, policy_fn=fn,
-    )  # fmt: skip
+    try:
+        walked, probe, chain, plan = prepare(
+            model, segments, budget, example_inputs, example_kwargs, mode,
+            where="auto_checkpoint", loss_fn=loss_fn, previous=_previous(model), policy=name, policy_fn=fn,
+        )  # fmt: skip
+    except PlanInfeasibleError as err:
+        if not had_head:
+            set_head(model, "whole", where="auto_checkpoint")
+        if head == "whole" and can_chunk(model):
+            raise PlanInfeasibleError(
+                f"{err} {type(model).__name__}'s LM head and loss hold the logits of every token at "
+                "once; with head='chunked' they run in token chunks, which lowers that floor.",
+                min_budget_bytes=err.min_budget_bytes,
+                unwrapped_bytes=err.unwrapped_bytes,
+            ) from err
+        raise
     if head == "chunked" and walked.walker != "blocks":
         set_head(model, "whole", where="auto_checkpoint")
         raise AutockptError(

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile(
     "thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -5,6 +5,7 @@ the model's plain ForCausalLMLoss."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -209,9 +210,8 @@ def test_transformers_enable_takes_head():
     assert model(input_ids=ids, labels=labels).logits is not None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_verify_holds_the_head_to_its_bound_and_the_rest_bitwise(dtype):
-    model = autockpt.auto_checkpoint(gpt2().to(dtype), head="chunked", head_chunks=3)
+def test_verify_holds_the_head_to_its_bound_and_the_rest_bitwise():
+    model = autockpt.auto_checkpoint(gpt2().double(), head="chunked", head_chunks=3)
     ids, labels = batches(1)[0]
     report = autockpt.verify(model, (), example_kwargs={"input_ids": ids, "labels": labels})
     assert report.ok, report.mismatches
@@ -221,3 +221,26 @@ def test_verify_holds_the_head_to_its_bound_and_the_rest_bitwise(dtype):
     assert model(input_ids=ids, labels=labels).logits is None  # verify left the head on
     whole = autockpt.verify(model, (), example_kwargs={"input_ids": ids, "labels": labels}, head="whole")
     assert whole.ok and whole.head_grad_rel_diff is None
+
+
+def test_a_budget_below_the_whole_heads_floor_needs_the_chunked_head():
+    """The step's floor with the whole head is its logits; the error says what lowers it,
+    and with head="chunked" the same budget is planned and kept."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=8000, n_positions=128,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    ids = torch.randint(0, 8000, (2, 128))
+    example = {"example_kwargs": {"input_ids": ids, "labels": ids}, "loss_fn": lambda out: out.loss}
+    model = transformers.GPT2LMHeadModel(cfg)
+    with pytest.raises(autockpt.PlanInfeasibleError, match="head='chunked'") as err:
+        autockpt.auto_checkpoint(model, budget=0.5, **example)
+    assert "forward" not in vars(model)
+    floor = err.value.min_budget_bytes
+    assert floor is not None
+    budget = floor // 2  # the same model object: the whole head's cached profile is not reused
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chunked = autockpt.auto_checkpoint(model, budget=budget, head="chunked", check=True, **example)
+    assert not [w for w in caught if "no plan found that keeps it" in str(w.message)]
+    assert chunked.forward.plan.budget_bytes == budget
+    assert any("measured peak" in n for n in chunked.forward.plan.notes)

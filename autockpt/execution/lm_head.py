@@ -35,7 +35,7 @@ from torch import nn
 from autockpt.errors import AutockptError
 from autockpt.execution.linear_cross_entropy import linear_cross_entropy
 
-__all__ = ["HEADS", "ChunkedHeadForward", "head_parameters", "installed_head", "set_head"]
+__all__ = ["HEADS", "ChunkedHeadForward", "can_chunk", "head_parameters", "installed_head", "set_head"]
 
 HEADS = ("whole", "chunked")
 
@@ -66,6 +66,11 @@ class ChunkedHeadForward:
         self.softcap = softcap  # the forward soft-caps its logits (Gemma 2)
         self.chunks = chunks
         self.original = original  # the user's own instance forward, if any
+
+    @property
+    def profile_key(self) -> tuple[str, int | str]:
+        """What a cached profile of the model depends on here (``measure/model_profile.py``)."""
+        return ("chunked head", self.chunks)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -208,6 +213,15 @@ def set_head(model: nn.Module, head: str, chunks: int | str = "auto", *, where: 
         outer.original_forward = new  # type: ignore[union-attr]
     else:
         _put_back(model.__dict__, "forward", new)
+
+
+def can_chunk(model: nn.Module) -> bool:
+    """Whether ``head="chunked"`` can take over ``model``'s head and loss."""
+    try:
+        _chunked_head(model, None, "auto", "can_chunk")
+    except AutockptError:
+        return False
+    return True
 
 
 def _chunked_head(

@@ -7,7 +7,8 @@ the code between them (``autockpt.measure.blocks``), since only the model itself
 that code.
 
 Profiles are cached per model object and keyed by everything bytes depend on (stages,
-input and parameter shapes, dtypes, strides and devices, train/eval mode), so
+input and parameter shapes, dtypes, strides and devices, train/eval mode, a forward set on
+the instance such as ``head="chunked"``'s), so
 ``make_plan(budget=...)`` followed by ``auto_checkpoint(budget=...)``, a retry at another
 budget, or a plan after :func:`profile` measure once. The loss is cached per ``loss_fn``
 object.
@@ -131,7 +132,18 @@ def _key(model: nn.Module, chain: Chain, inputs: Any) -> Hashable:
         signature(inputs),
         signature(list(model.parameters())),
         model.training,
+        _own_forward(model),
     )
+
+
+def _own_forward(model: nn.Module) -> Hashable:
+    """The forward set on the model object beneath autockpt's checkpointed one, if any (a
+    user's, or the chunked head's, which changes the step's bytes): its ``profile_key``,
+    else its identity."""
+    fwd = model.__dict__.get("forward")
+    if getattr(fwd, "_autockpt_forward", False):
+        fwd = getattr(fwd, "original_forward", None)
+    return None if fwd is None else getattr(fwd, "profile_key", id(fwd))
 
 
 def profile(
