@@ -247,3 +247,37 @@ def test_chunked_loss_on_cuda_is_bitwise_but_the_head(dtype: torch.dtype) -> Non
     assert torch.equal(loss1, loss0)
     assert torch.equal(h1, h0), f"hidden gradient differs by {(h1 - h0).abs().max().item():.3e}"
     assert ((w1 - w0).abs().max() / w0.abs().max()).item() < (1e-12 if dtype == torch.float64 else 1e-5)
+
+
+def dropouts() -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.2)) for _ in range(6)])
+
+
+@gpu
+@pytest.mark.parametrize("case", ["dropout", "autocast", "backward twice", "input only"])
+def test_lean_checkpoint_on_cuda_equals_torchs(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [Lean on CUDA, once compared]: segments on CUDA through the lean checkpoint give
+    bitwise torch's checkpoint's gradients. When this passes on a GPU, "cuda" may join
+    LEAN_DEVICES in execution/lean_checkpoint.py."""
+    from autockpt.execution import lean_checkpoint
+
+    results = []
+    for devices in (("cpu",), ("cpu", "cuda")):
+        monkeypatch.setattr(lean_checkpoint, "LEAN_DEVICES", devices)
+        torch.manual_seed(0)
+        model = autockpt.auto_checkpoint(dropouts().cuda(), 3)
+        x = torch.randn(32, 64, device="cuda", requires_grad=True)
+        torch.manual_seed(1)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=case == "autocast"):
+            loss = model(x).float().square().mean()
+        if case == "backward twice":
+            loss.backward(retain_graph=True)
+            loss.backward()
+        elif case == "input only":
+            (x.grad,) = torch.autograd.grad(loss, [x])
+        else:
+            loss.backward()
+        results.append([x.grad, *(p.grad for p in model.parameters() if p.grad is not None)])
+        results[-1].append(torch.cuda.get_rng_state())
+    assert len(results[0]) == len(results[1])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

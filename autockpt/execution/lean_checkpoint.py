@@ -19,6 +19,15 @@ NOTE [Lean checkpoint]
     :data:`LEAN_AVAILABLE`). Everything else (and op policies, nested segments, compiling)
     goes to torch's ``checkpoint``, so composition with those stays torch's.
 
+    NOTE [Lean on CUDA, once compared]
+        The lean path was written for CPU and CUDA, but it has not run on a GPU since its
+        RNG stash, autocast replay and device handling changed (2026-12-05), and a
+        difference there would be a silent wrong gradient. So segments whose inputs are on
+        CUDA take torch's ``checkpoint`` until ``tests/test_cuda.py``'s
+        ``test_lean_checkpoint_on_cuda_equals_torchs`` (dropout RNG, autocast, a backward
+        that retains the graph and runs twice, a backward to the input only; run by
+        ``.ci/gpu``) has passed on a GPU; then ``"cuda"`` joins :data:`LEAN_DEVICES`.
+
     What it keeps of torch's semantics:
 
     - *Replay on first unpack*, once per backward (graph task): the forward's saved tensors
@@ -76,10 +85,11 @@ from torch.utils.checkpoint import CheckpointError
 
 from autockpt.measure.sandbox import RngState
 
-__all__ = ["LEAN_AVAILABLE", "lean_applies", "lean_checkpoint"]
+__all__ = ["LEAN_AVAILABLE", "LEAN_DEVICES", "lean_applies", "lean_checkpoint"]
 
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
-_DEVICE_TYPES = ("cpu", "cuda")
+LEAN_DEVICES: tuple[str, ...] = ("cpu",)
+"""Devices whose segments may take the lean path (NOTE [Lean on CUDA, once compared])."""
 
 
 def _hooks_reader() -> Callable[[bool], Any] | None:
@@ -103,7 +113,7 @@ _FX_TRACING: Callable[[], bool] = getattr(torch.fx._symbolic_trace, "_get_is_fx_
 def lean_applies(device_type: str) -> bool:
     """Whether a checkpoint whose inputs are on ``device_type`` may take the lean path now."""
     return (
-        device_type in _DEVICE_TYPES
+        device_type in LEAN_DEVICES
         and _TOP_HOOKS is not None
         and torch.is_grad_enabled()
         and _TOP_HOOKS(False) is None
