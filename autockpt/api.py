@@ -47,7 +47,7 @@ def auto_checkpoint(
     check: bool = False,
     debug: bool = False,
     policy: str | OpPolicy | None = None,
-    head: str = "whole",
+    head: str | None = None,
     head_chunks: int | str = "auto",
 ) -> nn.Module:
     """Checkpoint ``model`` in place so training keeps fewer activations alive.
@@ -109,15 +109,16 @@ def auto_checkpoint(
             change in place (NOTE [Kept outputs changed in place] in
             ``execution/policies.py``); under
             ``torch.compile`` the policy is not applied.
-        head: ``"whole"`` (the default) leaves the model's head and loss as they are;
-            ``"chunked"`` computes a Hugging Face causal LM's loss (called with ``labels=``
-            and gradients on) by :func:`autockpt.linear_cross_entropy`, so the logits for
-            every token never exist at once: the largest tensors of a language model's step.
+        head: ``"whole"`` leaves the model's head and loss as they are; ``"chunked"``
+            computes a Hugging Face causal LM's loss (called with ``labels=`` and gradients
+            on) by :func:`autockpt.linear_cross_entropy`, so the logits for every token
+            never exist at once: the largest tensors of a language model's step.
             The loss and every gradient are bitwise the model's own, except the head
             weight's (and its bias's, and the embedding tied to it), which are summed over
             chunks of tokens in another order. The output's ``logits`` are then ``None``;
             calls without labels or under ``torch.no_grad()`` return them as before. See
             NOTE [The head inside the model's own forward] in ``execution/lm_head.py``.
+            By default (``None``): what the model has now, ``"whole"`` the first time.
         head_chunks: with ``head="chunked"``, ``"auto"`` or the number of token chunks
             (``linear_cross_entropy``'s ``chunks``).
 
@@ -152,16 +153,22 @@ def auto_checkpoint(
                         debug=debug, policy=policy, head=head, head_chunks=head_chunks)  # fmt: skip
         return model
     name, fn = _policy(policy, segments, "auto_checkpoint")
-    had_head = installed_head(model) is not None
-    set_head(model, head, head_chunks, where="auto_checkpoint")
+    if head is None:
+        head = "chunked" if installed_head(model) is not None else "whole"
+    before = _forwards(model)
     try:
+        set_head(model, head, head_chunks, where="auto_checkpoint")
         walked, probe, chain, plan = prepare(
             model, segments, budget, example_inputs, example_kwargs, mode,
             where="auto_checkpoint", loss_fn=loss_fn, previous=_previous(model), policy=name, policy_fn=fn,
         )  # fmt: skip
+        if head == "chunked" and walked.walker != "blocks":
+            raise AutockptError(
+                f"auto_checkpoint: head='chunked' runs {type(model).__name__}'s own forward with its blocks "
+                f"checkpointed, but the {walked.walker} walker replaces that forward. Use mode='blocks'."
+            )
     except PlanInfeasibleError as err:
-        if not had_head:
-            set_head(model, "whole", where="auto_checkpoint")
+        _put_forwards_back(model, before)
         if head == "whole" and can_chunk(model):
             raise PlanInfeasibleError(
                 f"{err} {type(model).__name__}'s LM head and loss hold the logits of every token at "
@@ -170,12 +177,9 @@ def auto_checkpoint(
                 unwrapped_bytes=err.unwrapped_bytes,
             ) from err
         raise
-    if head == "chunked" and walked.walker != "blocks":
-        set_head(model, "whole", where="auto_checkpoint")
-        raise AutockptError(
-            f"auto_checkpoint: head='chunked' runs {type(model).__name__}'s own forward with its blocks "
-            f"checkpointed, but the {walked.walker} walker replaces that forward. Use mode='blocks'."
-        )
+    except BaseException:
+        _put_forwards_back(model, before)  # a failed call leaves the model as it found it
+        raise
     spec = plan if budget is not None else segments
     install(model, walked, chain, plan, spec, probe, replanner=REPLANNER, debug=debug, policy_fn=fn)
     if check and budget is not None:
@@ -321,6 +325,22 @@ def _previous(model: nn.Module) -> tuple[tuple[Any, ...], Any] | None:
     """The units and dry run of the plan installed on ``model`` now, for planning again."""
     fwd = installed(model)
     return (fwd.units, fwd.probe) if fwd is not None else None
+
+
+def _forwards(model: nn.Module) -> tuple[Any, Any]:
+    """The model's instance forward and, under a checkpointed one, the forward it calls."""
+    fwd = model.__dict__.get("forward")
+    return fwd, getattr(fwd, "original_forward", None) if isinstance(fwd, CheckpointedForward) else None
+
+
+def _put_forwards_back(model: nn.Module, before: tuple[Any, Any]) -> None:
+    fwd, inner = before
+    if fwd is None:
+        model.__dict__.pop("forward", None)
+        return
+    model.__dict__["forward"] = fwd
+    if isinstance(fwd, CheckpointedForward):
+        fwd.original_forward = inner
 
 
 def _installed_or_fail(model: nn.Module) -> CheckpointedForward:

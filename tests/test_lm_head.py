@@ -244,3 +244,67 @@ def test_a_budget_below_the_whole_heads_floor_needs_the_chunked_head():
     assert not [w for w in caught if "no plan found that keeps it" in str(w.message)]
     assert chunked.forward.plan.budget_bytes == budget
     assert any("measured peak" in n for n in chunked.forward.plan.notes)
+
+
+class ScaledHead(transformers.LlamaForCausalLM):
+    """Falcon-H1's and HyperCLOVA X's pattern: a scale on the head's line."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        logits = self.lm_head(hidden) * 0.5
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class ZLoss(transformers.LlamaForCausalLM):
+    """Bamba's pattern: more loss inside the labels block, after the loss function."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size)
+            loss = loss + 0.1 * logits.logsumexp(-1).square().mean()
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize(
+    ("cls", "match"), [(ScaledHead, "its head line is"), (ZLoss, "its loss is computed by")]
+)
+def test_more_on_the_head_or_loss_lines_is_refused(cls, match):
+    with pytest.raises(autockpt.AutockptError, match=match):
+        autockpt.auto_checkpoint(cls(transformers.LlamaConfig(**SMALL)), head="chunked")
+
+
+@pytest.mark.parametrize("change", ["instance forward", "hook", "replaced", "loss function"])
+def test_a_head_changed_after_wrapping_raises(change):
+    model = autockpt.auto_checkpoint(llama(), head="chunked")
+    ids, labels = batches(1)[0]
+    if change == "instance forward":
+        model.lm_head.forward = lambda x: torch.nn.Linear.forward(model.lm_head, x) * 0.5
+    elif change == "hook":
+        model.lm_head.register_forward_hook(lambda m, a, out: out * 0.5)
+    elif change == "replaced":
+        model.lm_head = torch.nn.Linear(32, V, bias=False)
+    else:
+        model.loss_function = ForCausalLMLoss
+    with pytest.raises(autockpt.AutockptError, match="changed after auto_checkpoint"):
+        model(input_ids=ids, labels=labels)
+
+
+def test_a_failed_call_leaves_the_model_as_it_was():
+    model = llama()
+    with pytest.raises(autockpt.AutockptError):
+        autockpt.auto_checkpoint(model, head="chunked", mode="graph")
+    assert "forward" not in vars(model)
+    ids, labels = batches(1)[0]
+    autockpt.auto_checkpoint(model, head="chunked")
+    with pytest.raises(autockpt.PlanInfeasibleError) as err:
+        autockpt.auto_checkpoint(model, budget=1, example_kwargs={"input_ids": ids, "labels": labels})
+    assert "head='chunked' they run" not in str(err.value)  # it has the chunked head already
+    assert model(input_ids=ids, labels=labels).logits is None  # the chunked head is still on
+    autockpt.auto_checkpoint(model)  # head=None keeps what the model has
+    assert model(input_ids=ids, labels=labels).logits is None

@@ -404,11 +404,13 @@ def _check(
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"{where}: bias {tuple(bias.shape)} must be ({weight.shape[0]},), one per class.")
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+    if target.is_floating_point() or target.is_complex():
         raise ValueError(
             f"{where}: target has dtype {target.dtype}; only class indices (an integer tensor) are "
             "supported, not class probabilities. Use F.cross_entropy for soft targets."
         )
+    if target.dtype not in (torch.long, torch.uint8):  # as nll_loss: Long or Byte
+        raise ValueError(f"{where}: target has dtype {target.dtype}; class indices are torch.long or uint8.")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
             f"{where}: target {tuple(target.shape)} must have hidden's shape without its last dimension, "

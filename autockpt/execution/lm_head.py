@@ -66,6 +66,26 @@ class ChunkedHeadForward:
         self.softcap = softcap  # the forward soft-caps its logits (Gemma 2)
         self.chunks = chunks
         self.original = original  # the user's own instance forward, if any
+        self.head = getattr(model, head_name)
+
+    def _head_as_installed(self) -> nn.Linear:
+        """The head, as it was checked when installed; anything changed since raises."""
+        model, name = self.model, type(self.model).__name__
+        head = getattr(model, self.head_name)
+        changed = (
+            "it was replaced" if head is not self.head
+            else "it has a forward of its own" if "forward" in head.__dict__
+            else "it has forward hooks" if head._forward_hooks or head._forward_pre_hooks
+            else "_loss_function was set" if "_loss_function" in model.__dict__
+            else ""
+        )  # fmt: skip
+        if changed:
+            raise AutockptError(
+                f"head='chunked': {name}'s head {self.head_name} changed after auto_checkpoint "
+                f"({changed}), so the chunked loss would no longer be the model's. Call "
+                f"auto_checkpoint(model, head='chunked') again to check it, or head='whole'."
+            )
+        return head  # type: ignore[no-any-return]
 
     @property
     def profile_key(self) -> tuple[str, int | str]:
@@ -84,7 +104,7 @@ class ChunkedHeadForward:
         labels = inspect.signature(plain).bind_partial(*args, **kwargs).arguments.get("labels")
         if labels is None or not torch.is_grad_enabled():
             return plain(*args, **kwargs)
-        model, head = self.model, getattr(self.model, self.head_name)
+        model, head = self.model, self._head_as_installed()
         seen: dict[str, torch.Tensor] = {}
 
         def keep_input(hidden: torch.Tensor) -> torch.Tensor:
@@ -275,8 +295,9 @@ def _loss_function_swappable(model: nn.Module) -> bool:
 
 
 def _check_forward(cls: type, head_name: str, where: str) -> bool:
-    """Read ``cls.forward``: the head call, then nothing or Gemma 2's soft-capping, then
-    the loss, which nothing changes after. Returns whether it soft-caps."""
+    """Read ``cls.forward``: ``logits = self.<head>(x)``, then nothing or Gemma 2's
+    soft-capping, then ``loss = self.loss_function(logits, ...)`` (alone, or alone under
+    ``if labels is not None:``), which nothing changes after. Returns whether it soft-caps."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))  # type: ignore[attr-defined]
     except (OSError, TypeError, SyntaxError) as err:
@@ -291,12 +312,22 @@ def _check_forward(cls: type, head_name: str, where: str) -> bool:
             refuse + f"its forward does not call self.{head_name}(...) once and then self.loss_function(...) "
             "once. Use head='whole', or autockpt.linear_cross_entropy in the training step."
         )
+    if not _is_head_call(body[head_at[0]], head_name):
+        raise AutockptError(
+            refuse + f"its head line is {lines[head_at[0]]!r}, not logits = self.{head_name}(x): the chunked "
+            "loss would leave the rest of that line out. Use head='whole'."
+        )
     between = [ln for s in body[head_at[0] + 1 : loss_at[0]] for ln in _statements(s)]
     between = [ln for ln in between if ln != "loss = None"]
     if between and between != list(_SOFTCAP):
         raise AutockptError(
             refuse + f"between the head and the loss its forward runs {between[0]!r}, which the chunked "
             "loss would leave out. Use head='whole'."
+        )
+    if not _is_loss_call(body[loss_at[0]]):
+        raise AutockptError(
+            refuse + f"its loss is computed by {lines[loss_at[0]]!r}, not by loss = "
+            "self.loss_function(logits, ...) alone, which is all the chunked loss computes. Use head='whole'."
         )
     for node in ast.walk(tree):
         changes = isinstance(node, ast.AugAssign) and getattr(node.target, "id", None) == "loss"
@@ -307,6 +338,37 @@ def _check_forward(cls: type, head_name: str, where: str) -> bool:
                 "mixture of experts' router loss). Use head='whole'."
             )
     return bool(between)
+
+
+def _is_head_call(stmt: ast.stmt, head_name: str) -> bool:
+    """``logits = self.<head>(x)`` and nothing more on the line."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
+        return False
+    call, target = stmt.value, stmt.targets[0]
+    return (
+        isinstance(target, ast.Name)
+        and target.id == "logits"
+        and isinstance(call, ast.Call)
+        and ast.unparse(call.func) == f"self.{head_name}"
+        and len(call.args) == 1
+        and not call.keywords
+    )
+
+
+def _is_loss_call(stmt: ast.stmt) -> bool:
+    """``loss = self.loss_function(logits, ...)``, alone or alone under ``if labels is not None:``."""
+    if isinstance(stmt, ast.If) and ast.unparse(stmt.test) == "labels is not None" and not stmt.orelse:
+        if len(stmt.body) != 1:
+            return False
+        stmt = stmt.body[0]
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
+        return False
+    call, target = stmt.value, stmt.targets[0]
+    if not (isinstance(target, ast.Name) and target.id == "loss" and isinstance(call, ast.Call)):
+        return False
+    logits = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "logits"), None)
+    passes_logits = isinstance(logits, ast.Name) and logits.id == "logits"
+    return ast.unparse(call.func) == "self.loss_function" and passes_logits
 
 
 def _statements(stmt: ast.stmt) -> list[str]:

@@ -57,7 +57,7 @@ def enable(
     example_kwargs: dict[str, Any] | None = None,
     mode: str | None = None,
     check: bool = False,
-    head: str = "whole",
+    head: str | None = None,
 ) -> nn.Module:
     """Checkpoint a Hugging Face model with autockpt: the one-line replacement for
     ``model.gradient_checkpointing_enable()``.
@@ -67,7 +67,7 @@ def enable(
     (NOTE [Caches while training]). The arguments are :func:`autockpt.auto_checkpoint`'s;
     with a budget, the loss is the model's own ``out.loss`` when the example inputs carry
     labels. ``head="chunked"`` computes a causal LM's loss without whole logits
-    (``docs/head.md``).
+    (``docs/head.md``); by default the model keeps what it has.
 
     Returns:
         ``model``, checkpointed in place.
