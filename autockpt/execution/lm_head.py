@@ -13,12 +13,16 @@ NOTE [The head inside the model's own forward]
     is replaced by ``None``.
 
     That is only right when nothing else happens to the logits or the loss, so the
-    forward's source is read once (``_check_forward``): the lines between the head call
-    and the loss call must be none or exactly Gemma 2's soft-capping, and nothing may
-    change ``loss`` after it is computed (a mixture of experts adds its router loss there).
-    Anything else is refused with the line that was found, never run half-right. Only
-    calls with ``labels`` and gradients on take this path; the others run the model's
-    forward untouched and return their logits.
+    forward's source is read once (``_check_forward``): the head's line must be
+    ``logits = self.<head>(x)`` and nothing more (Falcon-H1 scales it there), the lines
+    after it none or exactly Gemma 2's soft-capping, the loss ``loss =
+    self.loss_function(logits, ...)`` alone in its ``if labels is not None:`` (Bamba adds a
+    z-loss there), and nothing may change ``loss`` after it (a mixture of experts adds its
+    router loss). Anything else is refused with the line that was found, never run
+    half-right. What was checked of the head itself (the same ``nn.Linear``, no forward of
+    its own, no hooks, no ``_loss_function`` set) is checked again at every call, since
+    adapters and hooks arrive after wrapping. Only calls with ``labels`` and gradients on
+    take this path; the others run the model's forward untouched and return their logits.
 """
 
 from __future__ import annotations
