@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from autockpt.errors import AutockptError, PlanInfeasibleError
-from autockpt.execution.forward import CheckpointedForward, install, installed, uninstall
+from autockpt.execution.forward import CheckpointedForward, install, installed, uninstall, uninstall_within
 from autockpt.execution.lm_head import can_chunk, installed_head, set_head
 from autockpt.execution.policies import OpPolicy, resolve_policy
 from autockpt.measure.losses import LossFn
@@ -296,6 +296,9 @@ def _policy(policy: str | OpPolicy | None, segments: SegmentsSpec, where: str) -
 def restore(model: nn.Module) -> nn.Module:
     """Undo :func:`auto_checkpoint`: the model's original forward runs again.
 
+    On a model that was checkpointed as a part of another (the model PEFT's
+    ``merge_and_unload()`` returns), the checkpointed blocks inside it are restored.
+
     Raises:
         AutockptError: ``model`` was never checkpointed by autockpt.
 
@@ -309,7 +312,7 @@ def restore(model: nn.Module) -> nn.Module:
     if (inner := _compiled_inner(model)) is not None:
         restore(inner)
         return model
-    if not uninstall(model):
+    if not uninstall(model) and not uninstall_within(model):
         raise AutockptError(
             f"restore: this {type(model).__name__} is not checkpointed by autockpt, so there is "
             f"nothing to restore. Call autockpt.auto_checkpoint(model) first."

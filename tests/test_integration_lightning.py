@@ -93,3 +93,36 @@ def test_fit_with_the_callback_trains_the_same_parameters_in_less_memory(budget:
     if budget is not None:  # step one ran "sqrt" while its inputs were kept; then the budget plan
         assert watch.plans[0].strategy == "sqrt" and watch.plans[1].strategy.startswith("budget=")
     assert peak_checkpointed < 0.8 * peak_plain
+
+
+class NoForward(lightning.LightningModule):  # type: ignore[misc]
+    """Its training_step calls self.net; the class has no forward of its own."""
+
+    def __init__(self, second: bool = False) -> None:
+        super().__init__()
+        self.net = Classifier().model
+        if second:
+            self.head = nn.Linear(4, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_module_without_forward_has_its_one_child_checkpointed() -> None:
+    """NOTE [A LightningModule without a forward]: its only child is checkpointed, the
+    same parameters come out, and with two children the error names module=."""
+    torch.manual_seed(0)
+    plain, ours = NoForward(), NoForward()
+    ours.load_state_dict(plain.state_dict())
+    ac = AutoCheckpoint()
+    watch = Watch(ac)
+    fit(plain, [])
+    fit(ours, [ac, watch])
+    assert watch.plans[0] is not None and watch.plans[0].checkpointed_segments > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), ours.parameters(), strict=True))
+    with pytest.raises(ValueError, match=r"module=.*'net', 'head'"):
+        fit(NoForward(second=True), [AutoCheckpoint()])

@@ -308,3 +308,24 @@ def test_a_failed_call_leaves_the_model_as_it_was():
     assert model(input_ids=ids, labels=labels).logits is None  # the chunked head is still on
     autockpt.auto_checkpoint(model)  # head=None keeps what the model has
     assert model(input_ids=ids, labels=labels).logits is None
+
+
+class Wrapper(torch.nn.Module):
+    """What PEFT's PeftModel is to its base model: merge_and_unload() returns the base."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base = base
+
+    def forward(self, **kwargs):
+        return self.base(**kwargs)
+
+
+def test_restore_on_the_inner_model_of_a_checkpointed_wrapper():
+    outer = autockpt.auto_checkpoint(Wrapper(llama()))
+    inner = outer.base
+    assert any("forward" in vars(m) for m in inner.modules())
+    autockpt.restore(inner)  # raised "not checkpointed" before
+    assert not any("forward" in vars(m) for m in inner.modules())
+    with pytest.raises(autockpt.AutockptError, match="not checkpointed"):
+        autockpt.restore(llama())

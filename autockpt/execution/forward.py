@@ -61,7 +61,7 @@ from autockpt.walkers.chain import Chain, DryRun, Unit, build_chain
 from autockpt.walkers.graph import UnbindableError, none_pattern
 from autockpt.walkers.kv_caches import cache_switch, without_caches, without_model_cache
 
-__all__ = ["BlockForward", "CheckpointedForward", "install", "installed", "uninstall"]
+__all__ = ["BlockForward", "CheckpointedForward", "install", "installed", "uninstall", "uninstall_within"]
 
 logger = logging.getLogger(__name__)
 
@@ -345,6 +345,23 @@ def uninstall(model: nn.Module) -> bool:
     if fwd.original_forward is not None:
         model.__dict__["forward"] = fwd.original_forward
     return True
+
+
+def uninstall_within(model: nn.Module) -> bool:
+    """Remove autockpt's forwards from ``model``'s submodules, for a model that was
+    checkpointed as part of another (PEFT's ``merge_and_unload()`` returns the inner model,
+    whose blocks still carry the outer model's checkpoints). Returns whether any was found."""
+    found = False
+    for module in model.modules():
+        fwd = module.__dict__.get("forward")
+        if isinstance(fwd, CheckpointedForward):
+            found = uninstall(module) or found
+        elif isinstance(fwd, BlockForward):
+            del module.__dict__["forward"]
+            if fwd.call.original is not None:
+                module.__dict__["forward"] = fwd.call.original
+            found = True
+    return found
 
 
 def install(

@@ -1,5 +1,12 @@
 """Lightning: ``Trainer(callbacks=[AutoCheckpoint()])`` checkpoints the model for ``fit``.
 
+NOTE [A LightningModule without a forward]
+    Many ``LightningModule``s define no ``forward``: ``training_step`` calls ``self.net(x)``.
+    Checkpointing the module itself would then walk a forward that only raises. So a module
+    whose class leaves ``forward`` to ``LightningModule`` is not the target: its one child
+    with parameters is, and with several the error lists them for ``module=``. Finding what
+    ``training_step`` calls would mean running it, which draws random numbers and logs.
+
 NOTE [Example inputs from the first batch]
     A budget is planned from a profile, which needs the checkpointed module's inputs. A
     training batch is not that: ``training_step`` unpacks it, moves it, maybe augments it.
@@ -24,6 +31,24 @@ from autockpt.planning.prepare import SegmentsSpec
 __all__ = ["AutoCheckpoint"]
 
 
+def _target(pl_module: nn.Module) -> nn.Module:
+    """The module to checkpoint when ``module=`` is not given (NOTE [A LightningModule
+    without a forward])."""
+    from lightning.pytorch import LightningModule
+
+    if type(pl_module).forward is not LightningModule.forward:
+        return pl_module
+    children = [(n, m) for n, m in pl_module.named_children() if any(True for _ in m.parameters())]
+    if len(children) == 1:
+        return children[0][1]
+    names = ", ".join(repr(n) for n, _ in children) or "none"
+    raise ValueError(
+        f"AutoCheckpoint: {type(pl_module).__name__} has no forward of its own, so there is nothing "
+        f"to checkpoint in it; name the submodule its training_step calls with module=... (children "
+        f"with parameters: {names})."
+    )
+
+
 class AutoCheckpoint(Callback):  # type: ignore[misc]
     """Checkpoint the ``LightningModule`` (or its submodule ``module``) with autockpt while
     it is fitted, and restore it afterwards.
@@ -34,7 +59,9 @@ class AutoCheckpoint(Callback):  # type: ignore[misc]
             unwrapped step); the example inputs come from the first training step (NOTE
             [Example inputs from the first batch]), which runs with the ``"sqrt"`` plan.
         module: the dotted name of the submodule to checkpoint (``"model"``,
-            ``"backbone.encoder"``); by default the ``LightningModule`` itself.
+            ``"backbone.encoder"``); by default the ``LightningModule`` itself, or, when it
+            has no ``forward`` of its own (its ``training_step`` calls ``self.net``), its
+            one child with parameters (NOTE [A LightningModule without a forward]).
         mode: force a walker (``"sequential"``, ``"graph"``, ``"blocks"``).
         head: ``"chunked"`` computes a Hugging Face causal LM's loss (``module``, called with
             ``labels=``) without whole logits, as :func:`autockpt.auto_checkpoint` does.
@@ -65,7 +92,7 @@ class AutoCheckpoint(Callback):  # type: ignore[misc]
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
-        target = pl_module if self.module is None else pl_module.get_submodule(self.module)
+        target = _target(pl_module) if self.module is None else pl_module.get_submodule(self.module)
         self._target = target
         auto_checkpoint(
             target, "sqrt" if self.budget is not None else self.segments, mode=self.mode, head=self.head
