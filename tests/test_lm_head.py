@@ -329,3 +329,23 @@ def test_restore_on_the_inner_model_of_a_checkpointed_wrapper():
     assert not any("forward" in vars(m) for m in inner.modules())
     with pytest.raises(autockpt.AutockptError, match="not checkpointed"):
         autockpt.restore(llama())
+
+
+class PeftLike(Wrapper):
+    """PEFT's PeftModel: a wrapper whose forward ends in the causal LM get_base_model() returns."""
+
+    def get_base_model(self) -> torch.nn.Module:
+        return self.base
+
+
+def test_the_chunked_head_goes_on_the_model_inside_a_peft_wrapper():
+    torch.manual_seed(0)
+    plain = PeftLike(llama().double())
+    ours = autockpt.auto_checkpoint(copy.deepcopy(plain), head="chunked")
+    ids, labels = batches(1)[0]
+    want, got = train(plain, [(ids, labels)]), train(ours, [(ids, labels)])
+    assert torch.equal(got[0], want[0]) and got[2] is None
+    heads = {f"base.{n}" for n in head_params(plain.base)}
+    assert all(torch.equal(got[1][n], g) for n, g in want[1].items() if n not in heads)
+    autockpt.restore(ours)
+    assert not any("forward" in vars(m) for m in ours.modules())

@@ -198,8 +198,18 @@ def _is_stand_in(x: object) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() == 0
 
 
+def _holder(model: nn.Module) -> nn.Module:
+    """The causal LM whose forward the chunked head takes over: the model inside a PEFT
+    wrapper (``get_base_model()``, which PEFT's forward ends in), else the model itself."""
+    get = getattr(model, "get_base_model", None)
+    inner = get() if callable(get) else None
+    return inner if isinstance(inner, nn.Module) and inner is not model else model
+
+
 def installed_head(model: nn.Module) -> ChunkedHeadForward | None:
-    """The chunked head forward on ``model``, under any checkpointed forward, if any."""
+    """The chunked head forward on ``model`` (or the model a PEFT wrapper holds), under any
+    checkpointed forward, if any."""
+    model = _holder(model)
     fwd = model.__dict__.get("forward")
     fwd = getattr(fwd, "original_forward", fwd)
     return fwd if isinstance(fwd, ChunkedHeadForward) else None
@@ -211,7 +221,7 @@ def head_parameters(model: nn.Module) -> tuple[str, ...]:
     fwd = installed_head(model)
     if fwd is None:
         return ()
-    head = getattr(model, fwd.head_name)
+    head = getattr(fwd.model, fwd.head_name)
     mine = {id(p) for p in head.parameters()}
     return tuple(n for n, p in model.named_parameters() if id(p) in mine)
 
@@ -228,6 +238,7 @@ def set_head(model: nn.Module, head: str, chunks: int | str = "auto", *, where: 
     """
     if head not in HEADS:
         raise ValueError(f"{where}: head={head!r}; use one of {HEADS}.")
+    model = _holder(model)
     outer = model.__dict__.get("forward")
     checkpointed = getattr(outer, "_autockpt_forward", False) and hasattr(outer, "original_forward")
     current = getattr(outer, "original_forward") if checkpointed else outer  # noqa: B009
@@ -242,7 +253,7 @@ def set_head(model: nn.Module, head: str, chunks: int | str = "auto", *, where: 
 def can_chunk(model: nn.Module) -> bool:
     """Whether ``head="chunked"`` can take over ``model``'s head and loss."""
     try:
-        _chunked_head(model, None, "auto", "can_chunk")
+        _chunked_head(_holder(model), None, "auto", "can_chunk")
     except AutockptError:
         return False
     return True

@@ -139,11 +139,18 @@ def _key(model: nn.Module, chain: Chain, inputs: Any) -> Hashable:
 def _own_forward(model: nn.Module) -> Hashable:
     """The forward set on the model object beneath autockpt's checkpointed one, if any (a
     user's, or the chunked head's, which changes the step's bytes): its ``profile_key``,
-    else its identity."""
+    else its identity; and the ``profile_key`` of any forward set on a submodule (the
+    chunked head of the model inside a PEFT wrapper)."""
     fwd = model.__dict__.get("forward")
     if getattr(fwd, "_autockpt_forward", False):
         fwd = getattr(fwd, "original_forward", None)
-    return None if fwd is None else getattr(fwd, "profile_key", id(fwd))
+    own = None if fwd is None else getattr(fwd, "profile_key", id(fwd))
+    inner = tuple(
+        key
+        for m in model.modules()
+        if m is not model and (key := getattr(m.__dict__.get("forward"), "profile_key", None)) is not None
+    )
+    return own, inner
 
 
 def profile(
