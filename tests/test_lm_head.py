@@ -349,3 +349,18 @@ def test_the_chunked_head_goes_on_the_model_inside_a_peft_wrapper():
     assert all(torch.equal(got[1][n], g) for n, g in want[1].items() if n not in heads)
     autockpt.restore(ours)
     assert not any("forward" in vars(m) for m in ours.modules())
+
+
+def test_tradeoff_with_and_without_the_chunked_head():
+    """Two sweeps show what chunking the head buys: a lower floor; the model is left as it was."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=8000, n_positions=128,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 8000, (2, 128))
+    kw = {"example_kwargs": {"input_ids": ids, "labels": ids}, "loss_fn": lambda out: out.loss}
+    kw.update(budgets=[], counts=[])
+    whole = autockpt.tradeoff(model, (), **kw)
+    chunked = autockpt.tradeoff(model, (), head="chunked", **kw)
+    assert "forward" not in vars(model)
+    assert chunked.floor_bytes < 0.6 * whole.floor_bytes

@@ -26,6 +26,7 @@ from torch import nn
 
 from autockpt.api import apply_plan
 from autockpt.errors import PlanInfeasibleError
+from autockpt.execution.lm_head import installed_head, set_head
 from autockpt.measure.figures import finish_figure, new_figure, save
 from autockpt.measure.losses import LossFn, training_step
 from autockpt.measure.step import measure_step
@@ -137,6 +138,7 @@ def tradeoff(
     loss_fn: LossFn | None = None,
     mode: str | None = None,
     progress: bool = True,
+    head: str | None = None,
 ) -> Tradeoff:
     """Plans across the memory/time trade-off of ``model`` on these inputs.
 
@@ -157,6 +159,9 @@ def tradeoff(
         loss_fn: the loss you train with (see :func:`autockpt.auto_checkpoint`).
         mode: force a walker.
         progress: a progress bar on stderr while measuring (needs ``tqdm``).
+        head: ``"chunked"`` sweeps the step with a causal LM's loss computed in token chunks,
+            ``"whole"`` without (see :func:`autockpt.auto_checkpoint`); by default the
+            model's own. Two sweeps, one of each, show what chunking the head buys.
 
     Examples:
         >>> import autockpt, torch
@@ -165,6 +170,31 @@ def tradeoff(
         >>> [p.kind for p in sweep.points][:4]
         ['unwrapped', 'sqrt', 'count', 'count']
     """
+    had = installed_head(model)
+    wanted = head or ("chunked" if had is not None else "whole")
+    if wanted != ("chunked" if had is not None else "whole"):
+        set_head(model, wanted, where="tradeoff")
+    try:
+        sweep = (budgets, counts, measure, loss_fn, mode, progress)
+        return _sweep(model, example_inputs, example_kwargs, *sweep)
+    finally:
+        if had is not None:
+            model.__dict__["forward"] = had  # the model's own chunked head, as it was
+        elif wanted == "chunked":
+            set_head(model, "whole", where="tradeoff")
+
+
+def _sweep(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Any,
+    example_kwargs: dict[str, Any] | None,
+    budgets: Sequence[int | float | str] | None,
+    counts: Sequence[int] | None,
+    measure: bool,
+    loss_fn: LossFn | None,
+    mode: str | None,
+    progress: bool,
+) -> Tradeoff:
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     walked, _, chain = walk_and_dry_run(model, args, example_kwargs, mode, where="tradeoff")
 
