@@ -180,6 +180,10 @@ def auto_checkpoint(
     except BaseException:
         _put_forwards_back(model, before)  # a failed call leaves the model as it found it
         raise
+    if head == "chunked":  # in the walk's notes too, so plans made again keep saying it
+        note = f"LM head and loss in token chunks (head='chunked', chunks={head_chunks!r})"
+        walked = dataclasses.replace(walked, notes=(*walked.notes, note))
+        plan = dataclasses.replace(plan, notes=(*plan.notes, note))
     spec = plan if budget is not None else segments
     install(model, walked, chain, plan, spec, probe, replanner=REPLANNER, debug=debug, policy_fn=fn)
     if check and budget is not None:

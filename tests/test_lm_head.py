@@ -122,6 +122,7 @@ def test_restore_and_whole_take_the_head_away():
     model = autockpt.auto_checkpoint(gpt2(), head="chunked")
     ids, labels = batches(1)[0]
     assert model(input_ids=ids, labels=labels).logits is None
+    assert "LM head and loss in token chunks" in str(model.forward.plan)  # after the dry run's plan too
     autockpt.auto_checkpoint(model, head="whole")
     assert model(input_ids=ids, labels=labels).logits is not None
     autockpt.auto_checkpoint(model, head="chunked")
