@@ -365,3 +365,18 @@ def test_tradeoff_with_and_without_the_chunked_head():
     chunked = autockpt.tradeoff(model, (), head="chunked", **kw)
     assert "forward" not in vars(model)
     assert chunked.floor_bytes < 0.6 * whole.floor_bytes
+
+
+def test_a_head_line_with_another_name_or_contiguous_is_taken_over():
+    """OPT's ``logits = self.lm_head(h).contiguous()``, Falcon's ``lm_logits = self.lm_head(h)``."""
+    torch.manual_seed(0)
+    size = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": V}
+    opt_config = transformers.OPTConfig(**size, ffn_dim=64, word_embed_proj_dim=32, dropout=0.0,
+                                        attention_dropout=0.0)  # fmt: skip
+    falcon_config = transformers.FalconConfig(**size, hidden_dropout=0.0, attention_dropout=0.0)
+    opt, falcon = transformers.OPTForCausalLM(opt_config), transformers.FalconForCausalLM(falcon_config)
+    for plain in (opt.double(), falcon.double()):
+        ours = autockpt.auto_checkpoint(copy.deepcopy(plain), head="chunked", head_chunks=3)
+        want, got = train(plain, batches(1)), train(ours, batches(1))
+        assert torch.equal(got[0], want[0]) and got[2] is None
+        assert all(torch.equal(got[1][n], g) for n, g in want[1].items() if n not in head_params(plain))

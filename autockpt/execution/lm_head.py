@@ -310,9 +310,10 @@ def _loss_function_swappable(model: nn.Module) -> bool:
 
 
 def _check_forward(cls: type, head_name: str, where: str) -> bool:
-    """Read ``cls.forward``: ``logits = self.<head>(x)``, then nothing or Gemma 2's
-    soft-capping, then ``loss = self.loss_function(logits, ...)`` (alone, or alone under
-    ``if labels is not None:``), which nothing changes after. Returns whether it soft-caps."""
+    """Read ``cls.forward``: ``logits = self.<head>(x)`` (any name; ``.contiguous()`` or
+    ``.float()`` after it), then nothing or Gemma 2's soft-capping, then ``loss =
+    self.loss_function(logits, ...)`` (alone, or alone under ``if labels is not None:``),
+    which nothing changes after. Returns whether it soft-caps."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))  # type: ignore[attr-defined]
     except (OSError, TypeError, SyntaxError) as err:
@@ -327,19 +328,20 @@ def _check_forward(cls: type, head_name: str, where: str) -> bool:
             refuse + f"its forward does not call self.{head_name}(...) once and then self.loss_function(...) "
             "once. Use head='whole', or autockpt.linear_cross_entropy in the training step."
         )
-    if not _is_head_call(body[head_at[0]], head_name):
+    logits_name = _head_output(body[head_at[0]], head_name)
+    if logits_name is None:
         raise AutockptError(
             refuse + f"its head line is {lines[head_at[0]]!r}, not logits = self.{head_name}(x): the chunked "
             "loss would leave the rest of that line out. Use head='whole'."
         )
     between = [ln for s in body[head_at[0] + 1 : loss_at[0]] for ln in _statements(s)]
     between = [ln for ln in between if ln != "loss = None"]
-    if between and between != list(_SOFTCAP):
+    if between and (between != list(_SOFTCAP) or logits_name != "logits"):
         raise AutockptError(
             refuse + f"between the head and the loss its forward runs {between[0]!r}, which the chunked "
             "loss would leave out. Use head='whole'."
         )
-    if not _is_loss_call(body[loss_at[0]]):
+    if not _is_loss_call(body[loss_at[0]], logits_name):
         raise AutockptError(
             refuse + f"its loss is computed by {lines[loss_at[0]]!r}, not by loss = "
             "self.loss_function(logits, ...) alone, which is all the chunked loss computes. Use head='whole'."
@@ -355,23 +357,30 @@ def _check_forward(cls: type, head_name: str, where: str) -> bool:
     return bool(between)
 
 
-def _is_head_call(stmt: ast.stmt, head_name: str) -> bool:
-    """``logits = self.<head>(x)`` and nothing more on the line."""
-    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
-        return False
-    call, target = stmt.value, stmt.targets[0]
-    return (
-        isinstance(target, ast.Name)
-        and target.id == "logits"
-        and isinstance(call, ast.Call)
-        and ast.unparse(call.func) == f"self.{head_name}"
-        and len(call.args) == 1
+def _head_output(stmt: ast.stmt, head_name: str) -> str | None:
+    """The name ``name = self.<head>(x)`` assigns, where the line is that and nothing more
+    but ``.contiguous()`` or ``.float()`` (which change no value the loss sees: it upcasts
+    the logits itself); ``None`` for any other line."""
+    if not (
+        isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+    ):
+        return None
+    call = stmt.value
+    while (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr in ("contiguous", "float")
+        and not call.args
         and not call.keywords
-    )
+    ):
+        call = call.func.value
+    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords):
+        return None
+    return stmt.targets[0].id if ast.unparse(call.func) == f"self.{head_name}" else None
 
 
-def _is_loss_call(stmt: ast.stmt) -> bool:
-    """``loss = self.loss_function(logits, ...)``, alone or alone under ``if labels is not None:``."""
+def _is_loss_call(stmt: ast.stmt, logits_name: str) -> bool:
+    """``loss = self.loss_function(<logits>, ...)``, alone or alone under ``if labels is not None:``."""
     if isinstance(stmt, ast.If) and ast.unparse(stmt.test) == "labels is not None" and not stmt.orelse:
         if len(stmt.body) != 1:
             return False
@@ -382,7 +391,7 @@ def _is_loss_call(stmt: ast.stmt) -> bool:
     if not (isinstance(target, ast.Name) and target.id == "loss" and isinstance(call, ast.Call)):
         return False
     logits = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "logits"), None)
-    passes_logits = isinstance(logits, ast.Name) and logits.id == "logits"
+    passes_logits = isinstance(logits, ast.Name) and logits.id == logits_name
     return ast.unparse(call.func) == "self.loss_function" and passes_logits
 
 
