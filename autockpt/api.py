@@ -20,7 +20,7 @@ from torch import nn
 
 from autockpt.errors import AutockptError, PlanInfeasibleError
 from autockpt.execution.forward import CheckpointedForward, install, installed, uninstall, uninstall_within
-from autockpt.execution.lm_head import can_chunk, installed_head, set_head
+from autockpt.execution.lm_head import can_chunk, installed_head, set_head, whole_head_note
 from autockpt.execution.policies import OpPolicy, resolve_policy
 from autockpt.measure.losses import LossFn
 from autockpt.measure.step import measure_step
@@ -184,6 +184,10 @@ def auto_checkpoint(
         note = f"LM head and loss in token chunks (head='chunked', chunks={head_chunks!r})"
         walked = dataclasses.replace(walked, notes=(*walked.notes, note))
         plan = dataclasses.replace(plan, notes=(*plan.notes, note))
+    elif budget is not None:
+        labels = (example_kwargs or {}).get("labels")
+        if (share := whole_head_note(model, labels, plan.predicted_peak_bytes)) is not None:
+            plan = dataclasses.replace(plan, notes=(*plan.notes, share))
     spec = plan if budget is not None else segments
     install(model, walked, chain, plan, spec, probe, replanner=REPLANNER, debug=debug, policy_fn=fn)
     if check and budget is not None:

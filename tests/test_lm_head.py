@@ -380,3 +380,19 @@ def test_a_head_line_with_another_name_or_contiguous_is_taken_over():
         want, got = train(plain, batches(1)), train(ours, batches(1))
         assert torch.equal(got[0], want[0]) and got[2] is None
         assert all(torch.equal(got[1][n], g) for n, g in want[1].items() if n not in head_params(plain))
+
+
+def test_a_whole_head_budget_plan_says_what_the_head_holds():
+    """Issue 36, point 3: with head="whole", the plan's notes count the head's tensors
+    against the predicted peak and say what head="chunked" would hold."""
+    from autockpt.plan import format_bytes
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=8000, n_positions=128)
+    ids = torch.randint(0, 8000, (2, 128))
+    example = {"example_kwargs": {"input_ids": ids, "labels": ids}, "loss_fn": lambda o: o.loss}
+    model = autockpt.auto_checkpoint(transformers.GPT2LMHeadModel(cfg), budget=0.95, **example)
+    note = next(n for n in model.forward.plan.notes if n.startswith("the LM head and loss hold"))
+    assert format_bytes(3 * 256 * 8000 * 4) in note and "head='chunked' would hold" in note
+    plain = autockpt.auto_checkpoint(llama(), budget=0.95, example_kwargs={"input_ids": ids[:, :40] % V})
+    assert not any(n.startswith("the LM head and loss hold") for n in plain.forward.plan.notes)  # no labels

@@ -37,9 +37,18 @@ import torch
 from torch import nn
 
 from autockpt.errors import AutockptError
-from autockpt.execution.linear_cross_entropy import linear_cross_entropy
+from autockpt.execution.linear_cross_entropy import auto_rows, linear_cross_entropy
+from autockpt.plan import format_bytes
 
-__all__ = ["HEADS", "ChunkedHeadForward", "can_chunk", "head_parameters", "installed_head", "set_head"]
+__all__ = [
+    "HEADS",
+    "ChunkedHeadForward",
+    "can_chunk",
+    "head_parameters",
+    "installed_head",
+    "set_head",
+    "whole_head_note",
+]
 
 HEADS = ("whole", "chunked")
 
@@ -248,6 +257,25 @@ def set_head(model: nn.Module, head: str, chunks: int | str = "auto", *, where: 
         outer.original_forward = new  # type: ignore[union-attr]
     else:
         _put_back(model.__dict__, "forward", new)
+
+
+def whole_head_note(model: nn.Module, labels: object, predicted_peak: int | None) -> str | None:
+    """For a plan with the whole head of a model ``head="chunked"`` could take over, called
+    with ``labels``: what the head and loss hold at once, against the plan's predicted
+    peak, and what the chunked head would hold instead. Counted, not measured: the logits,
+    their log-probabilities and their gradient, in float32 as Hugging Face's loss casts
+    them, for every labelled token."""
+    if not isinstance(labels, torch.Tensor) or not predicted_peak or not can_chunk(model):
+        return None
+    head = _holder(model).get_output_embeddings()  # type: ignore[operator]
+    classes, tokens = int(head.weight.shape[0]), labels.numel()
+    whole = 3 * tokens * classes * 4
+    chunked = 2 * min(tokens, auto_rows(head.weight, torch.float32)) * classes * 4
+    return (
+        f"the LM head and loss hold about {format_bytes(whole)} at once (logits, log-probabilities and "
+        f"their gradient for {tokens} tokens x {classes} classes, {whole / predicted_peak:.0%} of the "
+        f"predicted peak); head='chunked' would hold about {format_bytes(chunked)} of them"
+    )
 
 
 def can_chunk(model: nn.Module) -> bool:
