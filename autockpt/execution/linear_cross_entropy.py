@@ -72,6 +72,7 @@ class _Loss:
     fused_bias: bool  # F.linear would use addmm (2-D or contiguous input), not matmul + add
     bounds: tuple[tuple[int, int], ...]
     n_classes: int
+    ce_dtype: torch.dtype  # what F.cross_entropy computes in here (autocast's cast included)
 
     @property
     def column(self) -> int:
@@ -137,6 +138,7 @@ def linear_cross_entropy(
     flat = hidden.reshape(-1, hidden.shape[-1])
     labels = target.reshape(-1)
     _check_targets(labels, ignore_index, n_classes)
+    ce_dtype = _ce_dtype(flat, weight, logits_dtype)
     loss = _Loss(
         ignore_index=ignore_index,
         reduction=reduction,
@@ -145,8 +147,9 @@ def linear_cross_entropy(
         logits_dtype=logits_dtype,
         divisor=divisor,
         fused_bias=hidden.dim() <= 2 or hidden.is_contiguous(),
-        bounds=chunk_bounds(flat.shape[0], chunks, auto_rows(weight, _ce_dtype(flat, weight, logits_dtype))),
+        bounds=chunk_bounds(flat.shape[0], chunks, auto_rows(weight, ce_dtype)),
         n_classes=n_classes,
+        ce_dtype=ce_dtype,
     )
     out: torch.Tensor = _ChunkedLoss.apply(flat, weight, bias, labels, loss)
     return out.reshape(target.shape) if reduction == "none" else out
@@ -186,24 +189,22 @@ class _ChunkedLoss(torch.autograd.Function):
         loss: _Loss,
     ) -> torch.Tensor:
         need = tuple(ctx.needs_input_grad[:3])
-        ce_dtype = _ce_dtype(hidden, weight, loss.logits_dtype)
-        ctx.loss, ctx.need, ctx.ce_dtype = loss, need, ce_dtype
+        ctx.loss, ctx.need = loss, need
         ctx.early = any(need) and loss.reduction != "none"  # NOTE [Gradients in the forward]
-        token_grads = _token_grads(target, loss, ce_dtype, hidden.device, None) if ctx.early else None
+        token_grads = _token_grads(target, loss, hidden.device, None) if ctx.early else None
         asked = need if ctx.early else None
-        run = _run_chunks(hidden, weight, bias, target, loss, ce_dtype, token_grads, asked)
+        run = _run_chunks(hidden, weight, bias, target, loss, token_grads, asked)
         if any(need):
             ctx.save_for_backward(hidden, weight, bias, target, *run.grads)
-        return _reduce(run.picked, run.row_sums, target, loss, ce_dtype)
+        return _reduce(run.picked, run.row_sums, target, loss)
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # type: ignore[misc]
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, target, *grads = ctx.saved_tensors
         if not (ctx.early and bool((grad == 1).all())):
-            loss, ce_dtype = ctx.loss, ctx.ce_dtype
-            token_grads = _token_grads(target, loss, ce_dtype, hidden.device, grad)
-            grads = _run_chunks(hidden, weight, bias, target, loss, ce_dtype, token_grads, ctx.need).grads
+            token_grads = _token_grads(target, ctx.loss, hidden.device, grad)
+            grads = _run_chunks(hidden, weight, bias, target, ctx.loss, token_grads, ctx.need).grads
         return (*(g if need else None for g, need in zip(grads, ctx.need, strict=True)), None, None)
 
 
@@ -222,7 +223,6 @@ def _run_chunks(
     bias: torch.Tensor | None,
     target: torch.Tensor,
     loss: _Loss,
-    ce_dtype: torch.dtype,
     token_grads: tuple[torch.Tensor, torch.Tensor | None] | None,
     need: tuple[bool, ...] | None,
 ) -> _Run:
@@ -230,6 +230,7 @@ def _run_chunks(
     and, for the per-token gradients ``token_grads``, the gradients ``need`` asks for."""
     n = hidden.shape[0]
     safe = _safe_target(target, loss.ignore_index)
+    ce_dtype = loss.ce_dtype
     run = _Run(hidden.new_zeros((n, 2), dtype=ce_dtype), None, [])
     if loss.label_smoothing > 0:
         run.row_sums = hidden.new_empty(n, dtype=ce_dtype)
@@ -246,7 +247,7 @@ def _run_chunks(
         chained = loss.softcap is not None or ce_dtype != out.dtype
         with torch.set_grad_enabled(chained and (need_h or need_w or need_b)):
             leaf = out.requires_grad_(torch.is_grad_enabled())
-            logits = _capped_and_cast(leaf, loss, ce_dtype)
+            logits = _capped_and_cast(leaf, loss)
         with torch.no_grad(), torch.autocast(out.device.type, enabled=False):  # as inside cross-entropy
             logp = torch.log_softmax(logits, 1)
             run.picked[lo:hi, col : col + 1] = logp.gather(1, safe[lo:hi, None])
@@ -302,7 +303,7 @@ def _linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return torch.matmul(rows, weight.t()) + bias  # F.linear on a non-contiguous input of 3+ dimensions
 
 
-def _capped_and_cast(out: torch.Tensor, loss: _Loss, ce_dtype: torch.dtype) -> torch.Tensor:
+def _capped_and_cast(out: torch.Tensor, loss: _Loss) -> torch.Tensor:
     """Soft-capping, the logits' cast and the cast ``F.cross_entropy`` makes under autocast:
     what stands between the head and the log-softmax (``out`` itself when nothing does)."""
     logits = out
@@ -310,22 +311,22 @@ def _capped_and_cast(out: torch.Tensor, loss: _Loss, ce_dtype: torch.dtype) -> t
         logits = torch.tanh(logits / loss.softcap) * loss.softcap
     if loss.logits_dtype is not None:
         logits = logits.to(loss.logits_dtype)
-    return logits.to(ce_dtype)
+    return logits.to(loss.ce_dtype)
 
 
 def _token_grads(
-    target: torch.Tensor, loss: _Loss, ce_dtype: torch.dtype, device: torch.device, grad: torch.Tensor | None
+    target: torch.Tensor, loss: _Loss, device: torch.device, grad: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each token's gradient at its picked log-probability and at its row sum, for the
     incoming gradient ``grad`` (1 when ``None``): the reduction's backward, run on
     placeholders, since none of it depends on the logits (NOTE [Chunks that change no bit])."""
     n = target.shape[0]
     with torch.enable_grad():
-        picked = torch.zeros((n, 2), dtype=ce_dtype, device=device, requires_grad=True)
+        picked = torch.zeros((n, 2), dtype=loss.ce_dtype, device=device, requires_grad=True)
         row_sums = None
         if loss.label_smoothing > 0:
-            row_sums = torch.zeros(n, dtype=ce_dtype, device=device, requires_grad=True)
-        out = _reduce(picked, row_sums, target, loss, ce_dtype)
+            row_sums = torch.zeros(n, dtype=loss.ce_dtype, device=device, requires_grad=True)
+        out = _reduce(picked, row_sums, target, loss)
         leaves = [picked] if row_sums is None else [picked, row_sums]
         got = torch.autograd.grad(out, leaves, torch.ones_like(out) if grad is None else grad)
     return got[0], (got[1] if row_sums is not None else None)
@@ -336,7 +337,6 @@ def _reduce(
     row_sums: torch.Tensor | None,
     target: torch.Tensor,
     loss: _Loss,
-    ce_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The loss from the per-token figures, by the ops ``F.cross_entropy`` runs after its
     log-softmax (its label-smoothing branch included), then the divisor."""
@@ -367,7 +367,8 @@ def _safe_target(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _ce_dtype_for(device: str, dtype: torch.dtype, autocast: bool, cast_to: torch.dtype) -> torch.dtype:
+def _ce_dtype_for(device: str, dtype: torch.dtype, cast_to: torch.dtype) -> torch.dtype:
+    """What ``F.cross_entropy`` under autocast (to ``cast_to``, the cache's key) makes of ``dtype``."""
     with torch.no_grad():
         logits = torch.zeros((1, 2), dtype=dtype, device=device)
         return F.cross_entropy(logits, torch.zeros(1, dtype=torch.long, device=device)).dtype
@@ -377,12 +378,11 @@ def _ce_dtype(hidden: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dt
     """The dtype ``F.cross_entropy`` computes in for these logits here: theirs, or what
     autocast casts them to (it casts the loss's input, not the log-softmax inside it)."""
     device = hidden.device.type
-    autocast = torch.is_autocast_enabled(device)
     with torch.no_grad():
         dtype = logits_dtype or F.linear(hidden[:0], weight[:0]).dtype
-    if not autocast:
+    if not torch.is_autocast_enabled(device):
         return dtype
-    return _ce_dtype_for(str(hidden.device), dtype, autocast, torch.get_autocast_dtype(device))
+    return _ce_dtype_for(str(hidden.device), dtype, torch.get_autocast_dtype(device))
 
 
 def _check(

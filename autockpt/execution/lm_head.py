@@ -114,7 +114,10 @@ class ChunkedHeadForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plain = self._plain()
-        labels = inspect.signature(plain).bind_partial(*args, **kwargs).arguments.get("labels")
+        if "labels" in kwargs:  # how Hugging Face's callers pass them; reading a signature costs more
+            labels = kwargs["labels"]
+        else:
+            labels = inspect.signature(plain).bind_partial(*args, **kwargs).arguments.get("labels")
         if labels is None or not torch.is_grad_enabled():
             return plain(*args, **kwargs)
         model, head = self.model, self._head_as_installed()
