@@ -181,14 +181,14 @@ def test_nin_channels_last_sqrt_is_strictly_below_unwrapped() -> None:
 
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
 def test_nin_no_segment_count_raises_the_peak(fmt: torch.memory_format) -> None:
-    """At batch 4, every segment count in both memory formats.
+    """At batch 2, every segment count in both memory formats.
 
     The one allowed extra is torch's stash of the CPU RNG state (5 KiB) for each checkpointed
     segment that holds a Dropout: the price of replaying its mask exactly. Segments without
     random ops keep no stash.
     """
     model, data = nin(fmt)
-    x = data(4)
+    x = data(2)
     plain = measure(model, x, tensors=False).peak_bytes  # allocator level only: no dispatch mode to slow it
     rng_state = torch.get_rng_state().numel()
     n = autockpt.auto_checkpoint(model, "none", example_inputs=(x,)).forward.plan.n_stages
