@@ -107,8 +107,8 @@ def auto_checkpoint(
             alive until the segment's backward: less recompute, more memory. The first
             forward of each segment keeps nothing while it learns which outputs later ops
             change in place (NOTE [Kept outputs changed in place] in
-            ``execution/policies.py``); under
-            ``torch.compile`` the policy is not applied.
+            ``execution/policies.py``); under ``torch.compile`` the compiled graph keeps
+            the same ops from its first step (NOTE [Policies under torch.compile]).
         head: ``"whole"`` leaves the model's head and loss as they are; ``"chunked"``
             computes a Hugging Face causal LM's loss (called with ``labels=`` and gradients
             on) by :func:`autockpt.linear_cross_entropy`, so the logits for every token
@@ -141,13 +141,6 @@ def auto_checkpoint(
     _check_module(model, "auto_checkpoint")
     _check_debug(debug, "auto_checkpoint")
     if (inner := _compiled_inner(model)) is not None:
-        if _policy(policy, segments, "auto_checkpoint")[1] is not None:
-            warnings.warn(
-                f"auto_checkpoint: policy={policy!r} is not applied under torch.compile, which "
-                "recomputes whole segments; its own activation_memory_budget chooses ops there.",
-                UserWarning,
-                stacklevel=2,
-            )
         auto_checkpoint(inner, segments, budget=budget, example_inputs=example_inputs,
                         example_kwargs=example_kwargs, mode=mode, loss_fn=loss_fn, check=check,
                         debug=debug, policy=policy, head=head, head_chunks=head_chunks)  # fmt: skip

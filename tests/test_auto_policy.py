@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import itertools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -244,6 +245,39 @@ def test_auto_plans_train_exactly() -> None:
     assert any(s.keep for s in plan.segments)
     report = autockpt.verify(copy.deepcopy(model), (x,), segments=plan)
     assert report.ok, str(report)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("free_dispatch")
+def test_auto_plans_keep_their_ops_under_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autockpt.execution import policies
+
+    kept: list[tuple[int, str]] = []  # (position in the segment's forward, op) of each kept op
+    contexts = policies.create_selective_checkpoint_contexts
+
+    def spied(decide: Any) -> Any:
+        position = itertools.count()
+
+        def spy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            choice = decide(ctx, op, *args, **kwargs)
+            k = -1 if ctx.is_recompute else next(position)
+            if k >= 0 and choice == policies.CheckpointPolicy.MUST_SAVE:
+                kept.append((k, str(op)))
+            return choice
+
+        return contexts(spy)
+
+    monkeypatch.setattr(policies, "create_selective_checkpoint_contexts", spied)
+    x = torch.randn(512, 64)
+    model = autockpt.auto_checkpoint(gelu_blocks(), budget=0.6, example_inputs=(x,), policy="auto")
+    chosen = [key for s in model.forward.plan.segments for key in s.keep]
+    assert chosen
+    torch._dynamo.reset()
+    torch.compile(model, backend="aot_eager")(x).square().mean().backward()
+    torch._dynamo.reset()
+    # AOTAutograd traces each segment more than once; every trace keeps the plan's ops
+    assert sorted(set(kept)) == sorted({(int(k.split(":")[0]), k.split(":")[1]) for k in chosen})
+    assert len(kept) % len(chosen) == 0
 
 
 def test_auto_needs_a_budget() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -82,10 +83,48 @@ def test_a_torch_without_outputs_for_policies_is_told(monkeypatch: pytest.Monkey
     autockpt.auto_checkpoint(mlp(), 3, policy="recompute-all")
 
 
-def test_a_compiled_model_is_told_the_policy_is_not_applied() -> None:
-    compiled = torch.compile(mlp())
-    with pytest.warns(UserWarning, match="not applied under torch.compile"):
-        autockpt.auto_checkpoint(compiled, 3, policy="save-matmuls")
+def _backward_matmuls(wrap: Callable[[nn.Module], nn.Module], x: torch.Tensor) -> int:
+    """Matmuls in the backward graph of one compiled step (``aot_eager``'s graphs, counted)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    counts: list[int] = []
+
+    def count(gm: torch.fx.GraphModule, inputs: Any) -> Callable[..., Any]:
+        matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        counts.append(sum(1 for n in gm.graph.nodes if n.target in matmuls))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, inputs: make_boxed_func(gm.forward), bw_compiler=count,
+                           partition_fn=min_cut_rematerialization_partition)  # fmt: skip
+    torch._dynamo.reset()
+    wrap(backend)(x).square().mean().backward()
+    torch._dynamo.reset()
+    return counts[0]
+
+
+@pytest.mark.slow
+def test_a_policy_is_applied_under_torch_compile_in_either_order() -> None:
+    x = torch.randn(16, 64)
+    depth = 6  # 12 stages in 3 segments of 4; 2 checkpointed, whose 4 Linears are recomputed
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(64, 64), nn.GELU())])
+
+    unwrapped = _backward_matmuls(lambda b: torch.compile(model(), backend=b), x)
+    recompute_all = _backward_matmuls(
+        lambda b: torch.compile(autockpt.auto_checkpoint(model(), 3), backend=b), x
+    )
+    assert recompute_all == unwrapped + 4
+    kept = [
+        _backward_matmuls(lambda b: torch.compile(autockpt.auto_checkpoint(model(), 3, policy="save-matmuls"),
+                                                  backend=b), x),
+        _backward_matmuls(lambda b: autockpt.auto_checkpoint(torch.compile(model(), backend=b), 3,
+                                                             policy="save-matmuls"), x),
+    ]  # fmt: skip
+    assert kept == [unwrapped, unwrapped]  # no matmul recomputed, from the first step
 
 
 def test_save_matmuls_recomputes_no_matmul_after_its_first_step() -> None:

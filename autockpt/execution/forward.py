@@ -32,6 +32,26 @@ NOTE [One compiled frame per model]
     a code object (and name) of its own: one model's compilation cannot change another's,
     and dynamo's entries go with the model's forward. Pickles and copies name the base
     class and get a subclass of their own when rebuilt.
+
+NOTE [Planned once, compiled whole]
+    Under ``torch.compile`` dynamo traces the installed forward as part of the model's
+    frame, so whatever it does per call is either traced into the graph or breaks it. The
+    segments themselves are torch ``checkpoint`` regions (NOTE [Under torch.compile] in
+    ``execution/runtime.py``); around them the forward only reads state that was decided
+    before (the plan, the runtime, the cache switch looked up at install time) and writes
+    none: a write into the forward object is a guard that fails on the next call, a
+    recompile every step. Hence: the dry run does not run inside a compiled call (it
+    measures eager tensors); a plan made without example inputs stays the walk's plan there,
+    balanced by stage count, and is refined by the first eager training call if one comes;
+    compiled code needs no in-place boundary fusion, as functionalization copies what an op
+    writes. A walk or trace made again (hooks added to a flattened container or traced-
+    through module, another pattern of ``None`` arguments) runs outside the graph
+    (``torch.compiler.disable``): a break and a recompile, once, where the model changed.
+    Logging that a block runs without its cache is skipped while compiling (a logging call
+    breaks the graph). The graph walker's program reads no fx object per call (NOTE
+    [Traces under torch.compile] in ``walkers/graph.py``). Counted in
+    ``tests/test_compile_graphs.py``: no graph, break or frame more than the unwrapped
+    model's, in either wrapping order.
 """
 
 from __future__ import annotations
@@ -43,7 +63,7 @@ import pickle
 import types
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -66,6 +86,14 @@ __all__ = ["BlockForward", "CheckpointedForward", "install", "installed", "unins
 logger = logging.getLogger(__name__)
 
 _HOOKED = "hooks were added to a module it went through"
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _outside_compiled_graphs(fn: _F) -> _F:
+    """``fn`` run by Python, never traced by dynamo (``torch.compiler.disable``, typed)."""
+    return cast(_F, torch.compiler.disable(fn))
 
 
 class Replanning(Protocol):
@@ -101,7 +129,7 @@ class BlockForward:
                 f"autockpt.restore(model) to keep Hugging Face's."
             )
         args, kwargs, changed = without_caches(args, kwargs)
-        if changed and not BlockForward.told_caches:
+        if changed and not BlockForward.told_caches and not torch.compiler.is_compiling():
             BlockForward.told_caches = True
             logger.info("autockpt: checkpointed blocks run without a cache (%s)", ", ".join(changed))
         return checkpoint_segment(self.runtime, (args, kwargs))
@@ -141,6 +169,8 @@ class CheckpointedForward:
         # other patterns of None arguments traced before: (walked, plan, runtime, dry run)
         self.traced: dict[frozenset[str], tuple[Walked, Plan, tuple[SegmentRuntime, ...], DryRun | None]] = {}
         self.runtime: tuple[SegmentRuntime, ...] = ()
+        if walked.walker == "blocks":  # looked up now: a lookup inside a compiled call recompiles it
+            self._cache_switch = cache_switch(original_forward or type(model).forward.__get__(model))
         self._bind(chain)
         self.__class__ = _own_class(type(model).__name__)  # NOTE [One compiled frame per model]
 
@@ -195,7 +225,7 @@ class CheckpointedForward:
                 plain = self.original_forward or type(self.model).forward.__get__(self.model)
                 self._cache_switch = cache_switch(plain)
             kwargs, overridden = without_model_cache(args, kwargs, self._cache_switch)  # type: ignore[arg-type]
-            if overridden and not BlockForward.told_caches:
+            if overridden and not BlockForward.told_caches and not torch.compiler.is_compiling():
                 BlockForward.told_caches = True
                 logger.info("autockpt: checkpointed blocks run without a cache (use_cache=False)")
         return self._plain(*args, **kwargs)
@@ -238,11 +268,12 @@ class CheckpointedForward:
                     return self._plain(*args, **kwargs)
             if self.plan.checkpointed_segments == 0:  # NOTE [A trace of another call checkpoints nothing]
                 return self._plain(*args, **kwargs)
-        if self.probe is None:
+        if self.probe is None and not torch.compiler.is_compiling():  # NOTE [Planned once, compiled whole]
             self._dry_run(x)
         out = run_segments(self.runtime, x)
         return out if program is None else program.result(out)
 
+    @_outside_compiled_graphs  # NOTE [Planned once, compiled whole]
     def _retrace(self, none_args: frozenset[str], why: str) -> None:
         """Trace again (hooks were added inside a traced module, or a call's optional
         arguments differ from the trace's) and plan again; a pattern of ``None`` arguments
@@ -256,6 +287,7 @@ class CheckpointedForward:
             return
         self._walk_again(walk(self.model, "graph", where="auto_checkpoint", none_args=none_args), why)
 
+    @_outside_compiled_graphs
     def _walk_again(self, walked: Walked, why: str) -> None:
         """Take a new walk of the model and plan it again with the same strategy."""
         logger.info("autockpt: walking %s again: %s", type(self.model).__name__, why)

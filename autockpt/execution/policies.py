@@ -20,6 +20,17 @@ NOTE [Kept outputs changed in place]
     (the segment's ops changed) raises :class:`~autockpt.errors.AutockptError` in the
     forward rather than a confusing error in backward.
 
+NOTE [Policies under torch.compile]
+    Dynamo captures a checkpoint's ``context_fn`` only as a plain function or a ``partial``
+    of constants, called afresh for each trace, and AOTAutograd then traces the segment
+    under the contexts it returns, tagging each node to save or recompute. So a compiled
+    segment gets a stateless ``partial`` (``compiled_context_fn``) making the same choices
+    as the eager ``SelectiveRecompute``: the policy's ops, or the ops a plan's
+    ``Segment.keep`` names at their positions (a position whose op differs keeps nothing:
+    safe, it is recomputed), never a random op. What the eager one learns on a first
+    forward, the outputs a later op writes into, is not needed there: the compiled graph is
+    functionalized, so no kept value is changed in place.
+
 NOTE [Random ops are never kept]
     Keeping the output of a random op (dropout's mask) while recomputing its neighbours
     would be consistent, but a kept random op also skips its draw in the recompute, and
@@ -50,6 +61,7 @@ __all__ = [
     "OpPolicy",
     "SelectiveRecompute",
     "available_policies",
+    "compiled_context_fn",
     "register_policy",
     "resolve_policy",
 ]
@@ -161,7 +173,18 @@ _SEES_OUTPUTS = "op_output" in inspect.signature(SelectiveCheckpointContext.__in
 
 class SelectiveRecompute:
     """The ``context_fn`` of one checkpointed segment under a policy (NOTE [Kept outputs
-    changed in place], NOTE [Random ops are never kept])."""
+        changed in place], NOTE [Policies under torch.compile]
+        Dynamo captures a checkpoint's ``context_fn`` only as a plain function or a ``partial``
+        of constants, called afresh for each trace, and AOTAutograd then traces the segment
+        under the contexts it returns, tagging each node to save or recompute. So a compiled
+        segment gets a stateless ``partial`` (``compiled_context_fn``) making the same choices
+        as the eager ``SelectiveRecompute``: the policy's ops, or the ops a plan's
+        ``Segment.keep`` names at their positions (a position whose op differs keeps nothing:
+        safe, it is recomputed), never a random op. What the eager one learns on a first
+        forward, the outputs a later op writes into, is not needed there: the compiled graph is
+        functionalized, so no kept value is changed in place.
+
+    NOTE [Random ops are never kept])."""
 
     def __init__(
         self, name: str, policy: OpPolicy | None, segment: str, keep: frozenset[str] | None = None
@@ -230,3 +253,42 @@ class SelectiveRecompute:
                 "tagged torch.Tag.nondeterministic_seeded."
             )
         return wanted
+
+
+def compiled_context_fn(
+    selective: SelectiveRecompute,
+) -> functools.partial[tuple[ContextManager, ContextManager]]:
+    """The ``context_fn`` of ``selective``'s segment inside a compiled graph (NOTE [Policies
+    under torch.compile]): the same ops kept, decided without state carried between calls,
+    as dynamo requires of a checkpoint's ``context_fn`` (a function or a ``partial`` of
+    constants)."""
+    keep_at = tuple(sorted(selective.keep_at.items())) if selective.keep is not None else None
+    return functools.partial(_compiled_contexts, selective.policy, keep_at)
+
+
+def _compiled_contexts(
+    policy: OpPolicy | None, keep_at: tuple[tuple[int, str], ...] | None
+) -> tuple[ContextManager, ContextManager]:
+    """Fresh contexts for one trace of a segment: op ``k`` of the forward is kept when the
+    policy wants it (``keep_at``: when the plan named it at position ``k``) and it is not a
+    random op; the recompute asks again position by position and gets the same answer."""
+    chosen = dict(keep_at) if keep_at is not None else None
+    decisions: list[bool] = []
+    replayed = itertools.count()
+
+    def decide(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if ctx.is_recompute:
+            k = next(replayed)
+            wanted = decisions[k] if k < len(decisions) else False
+        else:
+            k = len(decisions)
+            random = torch.Tag.nondeterministic_seeded in op.tags
+            if chosen is not None:
+                wanted = chosen.get(k) == str(op) and not random
+            else:
+                wanted = policy is not None and bool(policy(op)) and not random
+            decisions.append(wanted)
+        return CheckpointPolicy.MUST_SAVE if wanted else CheckpointPolicy.PREFER_RECOMPUTE
+
+    contexts: tuple[ContextManager, ContextManager] = create_selective_checkpoint_contexts(decide)
+    return contexts

@@ -94,7 +94,7 @@ from autockpt.errors import MutationError
 from autockpt.execution.checkpoint_args import device_hints, may_use_rng, rng_free_modules
 from autockpt.execution.hooks import HookState, hook_error, hook_state, hooked_modules
 from autockpt.execution.lean_checkpoint import lean_applies, lean_checkpoint
-from autockpt.execution.policies import OpPolicy, SelectiveRecompute
+from autockpt.execution.policies import OpPolicy, SelectiveRecompute, compiled_context_fn
 from autockpt.execution.recompute_check import OpRecorder, output_metadata, run_stage, stage_mismatch
 from autockpt.measure.sandbox import (
     CHECKPOINT_OPTIONS,
@@ -148,6 +148,7 @@ class SegmentRuntime:
     label: str = ""  # "2", or "2.1" for a nested segment
     debug: bool = False  # check every op of a recompute (NOTE [Recompute check] in recompute_check.py)
     selective: SelectiveRecompute | None = None  # an op policy's context_fn (execution/policies.py)
+    compiled_context: Any = None  # the same policy's context_fn under torch.compile
 
     @property
     def description(self) -> str:
@@ -189,6 +190,7 @@ def build_runtime(
         if seg.checkpoint and not seg.children and (fn is not None or seg.keep):
             keep = frozenset(seg.keep) if seg.keep else None
             rt.selective = SelectiveRecompute(name, fn, rt.description, keep)
+            rt.compiled_context = compiled_context_fn(rt.selective)
         out.append(rt)
     return tuple(out)
 
@@ -204,8 +206,11 @@ def checkpoint_segment(rt: SegmentRuntime, x: Any) -> Any:
     """One checkpointed call of ``rt``'s segment on ``x``."""
     if torch.compiler.is_compiling():  # see NOTE [Under torch.compile]
         leaves, spec = tree_flatten(x)
+        body = functools.partial(compiled_body, rt, spec)
+        if rt.compiled_context is None:
+            return torch.utils.checkpoint.checkpoint(body, *leaves, **CHECKPOINT_OPTIONS)
         return torch.utils.checkpoint.checkpoint(
-            functools.partial(compiled_body, rt, spec), *leaves, **CHECKPOINT_OPTIONS
+            body, *leaves, **CHECKPOINT_OPTIONS, context_fn=rt.compiled_context
         )
     hints, others = device_hints(x)
     device = hints[0].device if hints else _CPU

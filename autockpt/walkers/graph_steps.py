@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import fx, nn
 
-__all__ = ["Step", "compile_node"]
+__all__ = ["Step", "compile_node", "reader"]
 
 Step = tuple[str, Callable[[nn.Module, dict[str, Any]], Any], tuple[str, ...]]
 
@@ -26,7 +26,7 @@ Step = tuple[str, Callable[[nn.Module, dict[str, Any]], Any], tuple[str, ...]]
 def compile_node(node: fx.Node, i: int, last_use: dict[str, int]) -> Step:
     """One node as (output name, ``call(model, env)``, names to drop after it)."""
     drops = tuple(dict.fromkeys(u.name for u in node.all_input_nodes if last_use[u.name] <= i + 1))
-    args, kwargs = _reader(node.args), _reader(node.kwargs)
+    args, kwargs = reader(node.args), reader(node.kwargs)
     target = node.target
     call: Callable[[nn.Module, dict[str, Any]], Any]
     if node.op == "call_module":
@@ -65,14 +65,60 @@ def compile_node(node: fx.Node, i: int, last_use: dict[str, int]) -> Step:
     return node.name, call, drops
 
 
-def _reader(value: Any) -> Callable[[dict[str, Any]], Any]:
-    """A function of the value dict that rebuilds ``value`` (node arguments) with live values."""
-    if isinstance(value, tuple) and all(not isinstance(v, (tuple, list, dict)) for v in value):
+def reader(value: Any) -> Callable[[dict[str, Any]], Any]:
+    """A function of the value dict that rebuilds ``value`` (node arguments) with live values.
+
+    Containers come back as plain ``list``, ``tuple`` and ``dict``, never fx's immutable
+    ones, and no fx object is touched per call: dynamo can trace neither (NOTE [Traces
+    under torch.compile] in ``walkers/graph.py``).
+    """
+    if isinstance(value, tuple) and all(not isinstance(v, (tuple, list, dict, slice)) for v in value):
         # the common case: a flat tuple of nodes and constants
         slots = tuple((True, v.name) if isinstance(v, fx.Node) else (False, v) for v in value)
         if all(not is_node for is_node, _ in slots):
             return lambda env: value
         return lambda env: tuple(env[v] if is_node else v for is_node, v in slots)
-    if isinstance(value, dict) and not value:
-        return lambda env: value
-    return lambda env: fx.node.map_arg(value, lambda n: env[n.name])
+    if not _has_node(value):
+        constant = _plain(value)
+        if isinstance(constant, (list, dict)):  # a fresh one per call: a callee may change it
+            return lambda env: _plain(constant)
+        return lambda env: constant
+    if isinstance(value, fx.Node):
+        name = value.name
+        return lambda env: env[name]
+    if isinstance(value, slice):
+        start, stop, step = reader(value.start), reader(value.stop), reader(value.step)
+        return lambda env: slice(start(env), stop(env), step(env))
+    if isinstance(value, dict):
+        entries = tuple((k, reader(v)) for k, v in value.items())
+        return lambda env: {k: read(env) for k, read in entries}
+    readers = tuple(reader(v) for v in value)
+    if isinstance(value, list):
+        return lambda env: [read(env) for read in readers]
+    if type(value) is tuple:
+        return lambda env: tuple([read(env) for read in readers])
+    kind = type(value)  # a named tuple
+    return lambda env: kind(*[read(env) for read in readers])
+
+
+def _has_node(value: Any) -> bool:
+    if isinstance(value, fx.Node):
+        return True
+    if isinstance(value, slice):
+        return any(_has_node(v) for v in (value.start, value.stop, value.step))
+    if isinstance(value, dict):
+        return any(_has_node(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_node(v) for v in value)
+    return False
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with fx's immutable lists and dicts made plain ones (node-free values)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
