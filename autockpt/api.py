@@ -86,7 +86,10 @@ def auto_checkpoint(
         check: with a budget, run one training step on the example inputs and measure its
             real peak; if it is above the budget, plan again for a budget lowered by the
             excess (up to three times). The measured figure goes into the plan's notes, and
-            a warning says so if the budget could not be kept.
+            a warning says so if the budget could not be kept. On a ``torch.compile``d
+            model the plan is made and kept on the eager step, and one compiled step is
+            measured too (compiling it then, not at the first training step): its peak is
+            in the notes, with a warning if it is above the budget.
         debug: compare every op of each recompute with what the forward computed (shape,
             dtype, device and every bit of its outputs) and raise
             :class:`~autockpt.RecomputeMismatchError` (an :class:`AutockptError` and a
@@ -144,6 +147,8 @@ def auto_checkpoint(
         auto_checkpoint(inner, segments, budget=budget, example_inputs=example_inputs,
                         example_kwargs=example_kwargs, mode=mode, loss_fn=loss_fn, check=check,
                         debug=debug, policy=policy, head=head, head_chunks=head_chunks)  # fmt: skip
+        if check and budget is not None:
+            _note_the_compiled_peak(model, inner, example_inputs, example_kwargs, loss_fn)
         return model
     name, fn = _policy(policy, segments, "auto_checkpoint")
     if head is None:
@@ -233,6 +238,30 @@ def _keep_the_promise(
     fwd.plan = dataclasses.replace(fwd.plan, budget_bytes=target, notes=(*fwd.plan.notes, note))
     if measured > target:
         warnings.warn(f"auto_checkpoint: {note}; no plan found that keeps it.", UserWarning, stacklevel=3)
+
+
+def _note_the_compiled_peak(
+    compiled: nn.Module,
+    inner: nn.Module,
+    example_inputs: Sequence[Any] | None,
+    example_kwargs: dict[str, Any] | None,
+    loss_fn: LossFn | None,
+) -> None:
+    """Measure one compiled step of the checkpointed model and say it in the plan's notes:
+    the budget was kept on the eager step, which the compiled one may not match (compile
+    fuses and reorders). The compilation this costs is the one training would do first."""
+    fwd = _installed_or_fail(inner)
+    measured = measure_step(compiled, as_args(example_inputs), dict(example_kwargs or {}), loss_fn)
+    target = fwd.plan.budget_bytes or 0
+    note = f"compiled step measured peak {format_bytes(measured)} for budget {format_bytes(target)}"
+    fwd.plan = dataclasses.replace(fwd.plan, notes=(*fwd.plan.notes, note))
+    if measured > target:
+        warnings.warn(
+            f"auto_checkpoint: {note}: torch.compile lays the step out otherwise than the eager one "
+            "it was planned on. Lower the budget for the compiled model.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def make_plan(

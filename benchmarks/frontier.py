@@ -25,12 +25,19 @@ peaks of one training step, parameters and inputs included):
 
 ``--only`` keeps the points whose system name contains one of its words.
 
+``--compile`` compiles every point (inductor): autockpt's plans and the per-block peers are
+wrapped in ``torch.compile`` (no memory budget of compile's own), beside compile's
+``activation_memory_budget`` at ``--compile-budgets`` (default 0.1, 0.3, 0.5 and 0.7 with
+``--compile``); peaks and times are taken against the compiled unwrapped model, gradients
+compared with it (``max grad difference``) and with the eager one (``eager grad
+difference``); ``checkpoint_sequential`` is left out. Files are named ``frontier_<model>_compile.*``.
+
 Writes ``frontier_<model>.json`` and ``frontier_<model>.png`` (peak ratio against time
 ratio, one series per system) into ``--out`` and prints a table, the run's noise (the
 spread of the unwrapped step's repeats) and whether autockpt's front dominates.
 
     python benchmarks/frontier.py --model chain|gpt2|llama-128k|resnet50 [--out results]
-        [--repeats 7] [--device cuda] [--only chunked linear_cross_entropy]
+        [--repeats 7] [--device cuda] [--only chunked linear_cross_entropy] [--compile]
 
 On CUDA the times are wall times of synchronized steps, the peaks the CUDA caching
 allocator's, and the files are named ``frontier_<model>_cuda.*``.
@@ -41,6 +48,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import itertools
 import json
 import statistics
 import time
@@ -238,13 +246,48 @@ def head_points(case: Case, example: dict[str, Any], levels: list[int]) -> list[
     return out
 
 
-def compiled(case: Case, budget: float) -> nn.Module:
-    """The model under ``torch.compile`` with ``activation_memory_budget=budget`` (read when
-    the first call compiles it)."""
-    import torch._functorch.config as functorch_config
+_FRAMES = itertools.count()
 
-    functorch_config.activation_memory_budget = budget
-    return torch.compile(case.fresh())  # type: ignore[return-value]
+
+def _calling(model: nn.Module) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs)
+
+    return call
+
+
+class Compiled(nn.Module):
+    """``model`` under ``torch.compile`` with ``activation_memory_budget=budget``.
+
+    NOTE [One frame per compiled point]: dynamo keeps compiled code per code object, and a
+    new instance of a class compiled before passes the old entry's guards, so
+    ``torch.compile(copy)`` runs the graph compiled for the first copy, whatever budget was
+    set since (a 16-layer chain compiled at 1.0 then at 0.1: 36 MiB both; in a fresh process
+    0.1 gives 31 MiB). Earlier runs of this benchmark measured every compiled point with the
+    graph of the first one compiled. Each compiled point therefore calls its model from a
+    function with a code object of its own, and sets its budget before each call (compile
+    reads it when it compiles; the budget is in no guard).
+    """
+
+    def __init__(self, model: nn.Module, budget: float = 1.0) -> None:
+        super().__init__()
+        self.model = model
+        self.budget = budget
+        fn = _calling(model)
+        code = fn.__code__.replace(co_name=f"compiled_point_{next(_FRAMES)}")
+        own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        self.call = torch.compile(own)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = self.budget
+        return self.call(*args, **kwargs)
+
+
+def compiled(case: Case, budget: float) -> nn.Module:
+    """The model under ``torch.compile`` with ``activation_memory_budget=budget``."""
+    return Compiled(case.fresh(), budget)
 
 
 def compiled_plain(case: Case) -> nn.Module:
@@ -252,6 +295,11 @@ def compiled_plain(case: Case) -> nn.Module:
     model = compiled(case, 1.0)
     train(model, case)
     return model
+
+
+def compiled_point(build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()``'s model under ``torch.compile`` with no memory budget of compile's own."""
+    return Compiled(build())
 
 
 def grads(model: nn.Module, case: Case) -> list[torch.Tensor]:
@@ -310,7 +358,7 @@ def systems(
         build = functools.partial(autockpt.auto_checkpoint, case.fresh(), "sqrt", policy=policy,
                                   example_inputs=case.args, example_kwargs=case.kwargs)  # fmt: skip
         out.append((f"autockpt sqrt {policy}", "sqrt", build, {}))
-    body = case.sequential()
+    body = case.sequential() if not args.compile else None
     if body is not None:
         n = len(body)
         for k in sorted({*range(2, 17), 24, 32, n // 2, n}):
@@ -345,18 +393,38 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--budgets", type=int, default=10)
-    parser.add_argument("--compile-budgets", type=float, nargs="*", default=[0.5])
+    parser.add_argument("--compile-budgets", type=float, nargs="*", default=None)
+    parser.add_argument("--compile", action="store_true", help="compile every point (see above)")
     parser.add_argument("--device", type=torch.device, default=torch.device("cpu"))
     args = parser.parse_args()
+    if args.compile_budgets is None:
+        args.compile_budgets = [0.1, 0.3, 0.5, 0.7] if args.compile else [0.5]
     setup()
     warnings.simplefilter("ignore", UserWarning)
     case = Case(args.model, args.device)
     plain = case.fresh()
-    base_peak = peak(plain, case)
-    reference = grads(case.fresh(), case)
+    eager_reference = grads(case.fresh(), case)
+    reference = eager_reference
+    compiled_reference: nn.Module | None = None
+    if args.compile:
+        # each point has a frame of its own (NOTE [One frame per compiled point]), but code a
+        # graph break leaves to dynamo (a library's function) is shared: past the default
+        # limit of 8 recompiles dynamo would run it uncompiled
+        torch._dynamo.config.recompile_limit = 10_000
+        torch._dynamo.config.accumulated_recompile_limit = 100_000
+        compiled_reference = compiled_plain(case)
+        reference = grads(compiled_reference, case)
+        case.stem += "_compile"
+        case.title += ", torch.compile"
+    base_peak = peak(compiled_reference or plain, case)
     rows: list[dict[str, Any]] = []
     spreads: list[float] = []
     points = systems(case, args)
+    if args.compile:
+        points = [
+            (system, setting, build if "compile" in f else functools.partial(compiled_point, build), f)
+            for system, setting, build, f in points
+        ]
     if args.only:
         points = [p for p in points if any(word in p[0] for word in args.only)]
     print(f"# {case.title}: unwrapped peak {mib(base_peak)} MiB; {len(points)} points")
@@ -368,7 +436,8 @@ def main() -> None:
             # NOTE [Compiled peers' time]: a compiled model runs faster than the eager one
             # before it recomputes anything (fusion), so its time is taken against the same
             # model compiled without a memory budget; the eager ratio is reported beside it.
-            timed = [plain, model] + ([compiled_plain(case)] if "compile" in facts else [])
+            compiled_ref = compiled_reference or (compiled_plain(case) if "compile" in facts else None)
+            timed = [plain, model] + ([compiled_ref] if compiled_ref is not None else [])
             # NOTE [CPU time on a shared machine]: process CPU time, not wall time: it leaves
             # out the time this VM's cores were lent elsewhere (wall-time repeats of the same
             # step spread by 10-15% here); both threads stay busy (OpenMP spins between
@@ -384,16 +453,20 @@ def main() -> None:
             spreads.append(max(times[0]) / min(times[0]) - 1)
             median = [statistics.median(t) for t in times]
             wall = [statistics.median(t) for t in walls]
-            ref = -1 if "compile" in facts else 0
+            ref = -1 if compiled_ref is not None else 0
             row = {"system": system, "setting": setting, "peak": p, "peak ratio": p / base_peak,
                    "time ratio": median[1] / median[ref], "wall time ratio": wall[1] / wall[ref],
                    "unwrapped step s": median[0], **facts}  # fmt: skip
-            if "compile" in facts:
+            if compiled_ref is not None:
                 row["eager time ratio"] = median[1] / median[0]
-            if "compile" in facts or case.language_model:
+            if compiled_ref is not None or case.language_model:
                 mine = grads(model, case)
                 row["max grad difference"] = max(float((a - b).abs().max()) for a, b in zip(mine, reference))
                 row["not bitwise"] = sum(not torch.equal(a, b) for a, b in zip(mine, reference))
+                if args.compile:
+                    row["eager grad difference"] = max(
+                        float((a - b).abs().max()) for a, b in zip(mine, eager_reference)
+                    )
         except Exception as err:  # a peer that fails is reported, not fatal
             row = {"system": system, "setting": setting, "error": f"{type(err).__name__}: {str(err)[:100]}"}
         rows.append(row)

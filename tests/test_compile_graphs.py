@@ -109,3 +109,20 @@ def test_autockpt_adds_no_graph_break_and_no_recompile(build: Build) -> None:
         assert grads.keys() == plain.keys()
         for name, g in grads.items():
             assert torch.equal(g, plain[name]), f"{order}: {name}"
+
+
+def test_check_on_a_compiled_model_measures_the_compiled_step_once() -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(12)])
+    x = torch.randn(512, 64)
+    compiled = torch.compile(model, backend="aot_eager")
+    autockpt.auto_checkpoint(compiled, budget=0.6, example_inputs=(x,), check=True)
+    notes = [n for n in model.forward.plan.notes if n.startswith("compiled step measured peak")]
+    assert len(notes) == 1
+    assert counters["frames"]["total"] == 1  # compiled by the check, not run eagerly
+    for _ in range(2):
+        compiled(x).square().mean().backward()
+    assert counters["frames"]["total"] == 1  # and training compiles nothing again
+    torch._dynamo.reset()
