@@ -126,3 +126,38 @@ def test_check_on_a_compiled_model_measures_the_compiled_step_once() -> None:
         compiled(x).square().mean().backward()
     assert counters["frames"]["total"] == 1  # and training compiles nothing again
     torch._dynamo.reset()
+
+
+def test_the_chunked_head_is_one_break_and_trains_as_in_eager() -> None:
+    """The chunked loss runs as Python (NOTE [The chunked loss under torch.compile]): the
+    model's body compiles before it, nothing recompiles after the first step, and the
+    gradients are the eager chunked step's, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(0, 256, (2, 16))
+
+    def steps(compiled: bool) -> tuple[dict[str, torch.Tensor], list[int]]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=16, n_head=2, vocab_size=256, n_positions=16, resid_pdrop=0, embd_pdrop=0,
+            attn_pdrop=0,
+        )  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+        model.loss_type = "ForCausalLM"
+        run = autockpt.auto_checkpoint(model, head="chunked")
+        run = torch.compile(run, backend="aot_eager") if compiled else run
+        graphs = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            run(input_ids=ids, labels=ids).loss.backward()
+            graphs.append(counters["stats"]["unique_graphs"])
+        torch._dynamo.reset()
+        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}, graphs
+
+    eager, _ = steps(compiled=False)
+    compiled, graphs = steps(compiled=True)
+    assert graphs == [2, 2]  # before and after the loss; nothing compiled after the first step
+    assert compiled.keys() == eager.keys()
+    for name, g in compiled.items():
+        assert torch.equal(g, eager[name]), name

@@ -63,12 +63,13 @@ import pickle
 import types
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from autockpt.errors import AutockptError
+from autockpt.execution.outside_graphs import outside_compiled_graphs
 from autockpt.execution.policies import OpPolicy
 from autockpt.execution.runtime import SegmentRuntime, build_runtime, checkpoint_segment, run_segments
 from autockpt.measure.dry_run import probe_units
@@ -86,14 +87,6 @@ __all__ = ["BlockForward", "CheckpointedForward", "install", "installed", "unins
 logger = logging.getLogger(__name__)
 
 _HOOKED = "hooks were added to a module it went through"
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _outside_compiled_graphs(fn: _F) -> _F:
-    """``fn`` run by Python, never traced by dynamo (``torch.compiler.disable``, typed)."""
-    return cast(_F, torch.compiler.disable(fn))
 
 
 class Replanning(Protocol):
@@ -273,7 +266,7 @@ class CheckpointedForward:
         out = run_segments(self.runtime, x)
         return out if program is None else program.result(out)
 
-    @_outside_compiled_graphs  # NOTE [Planned once, compiled whole]
+    @outside_compiled_graphs  # NOTE [Planned once, compiled whole]
     def _retrace(self, none_args: frozenset[str], why: str) -> None:
         """Trace again (hooks were added inside a traced module, or a call's optional
         arguments differ from the trace's) and plan again; a pattern of ``None`` arguments
@@ -287,7 +280,7 @@ class CheckpointedForward:
             return
         self._walk_again(walk(self.model, "graph", where="auto_checkpoint", none_args=none_args), why)
 
-    @_outside_compiled_graphs
+    @outside_compiled_graphs
     def _walk_again(self, walked: Walked, why: str) -> None:
         """Take a new walk of the model and plan it again with the same strategy."""
         logger.info("autockpt: walking %s again: %s", type(self.model).__name__, why)

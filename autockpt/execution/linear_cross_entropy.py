@@ -42,6 +42,14 @@ NOTE [Two chunk-sized buffers]
     kernel's own (the bitwise tests would catch a kernel that did otherwise). Two
     logits-sized buffers per chunk, then, where autograd would hold four. With soft-capping
     or a cast between head and log-softmax, the head output also lives on to backward.
+
+NOTE [The chunked loss under torch.compile]
+    The loss is a Python loop over chunks whose rows, target checks and in-forward
+    gradients depend on the data (``nonzero`` over the kept targets, ``.item()`` for an
+    error's message, leaves created with ``requires_grad``): traced by dynamo, a GPT-2 with
+    the chunked head compiled to 7 graphs with 15 breaks. So the whole loss runs as Python
+    (``outside_compiled_graphs``): one break where it is called, the model's body compiled
+    before it, and the loss exact as in eager, with the kernels named above.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ from typing import Any
 
 import torch
 from torch.nn import functional as F  # noqa: N812
+
+from autockpt.execution.outside_graphs import outside_compiled_graphs
 
 __all__ = ["ROW_MULTIPLE", "auto_rows", "chunk_bounds", "linear_cross_entropy"]
 
@@ -80,6 +90,7 @@ class _Loss:
         return 1 if self.ignore_index == 0 else 0
 
 
+@outside_compiled_graphs  # NOTE [The chunked loss under torch.compile]
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

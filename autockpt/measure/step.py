@@ -40,13 +40,13 @@ def run_step(
     *,
     input_grads: bool = True,
     where: str = "verify",
-    tensors: bool = True,
+    count_tensors: bool = True,
 ) -> StepResult:
     """One training step of ``model`` as it is now, measured.
 
     With ``input_grads``, floating-point positional inputs are made to require gradients (on
     copies), so their gradients can be compared; without, the inputs are used as given.
-    ``tensors=False`` measures at allocator level only, with no dispatch mode (under which
+    ``count_tensors=False`` measures at allocator level only, with no dispatch mode (under which
     ``torch.compile`` runs the model uncompiled).
     """
     device = device_of(model, [list(args), kwargs or {}])
@@ -56,7 +56,7 @@ def run_step(
         for i, arg in enumerate(args):
             inputs[i], made = requiring_grad(arg)
             leaves += [(f"{i}" if len(made) == 1 else f"{i}.{j}", leaf) for j, leaf in enumerate(made)]
-    with track_memory(device, tensors=tensors) as mem:
+    with track_memory(device, tensors=count_tensors) as mem:
         out = training_step(model, inputs, kwargs, loss_fn, where=where)
     tensors: dict[str, torch.Tensor | None] = {}
     for i, t in enumerate(tree_leaves(out)):  # numbered as the output's leaves, None included
@@ -81,7 +81,7 @@ def measure_step(
     hooks that count positions skip them as they skip a dry run."""
     with preserved(model, [list(args), kwargs]) as fresh, recomputing():
         fresh()
-        run_step(model, args, kwargs, loss_fn, input_grads=False, tensors=False)  # warm-up
+        run_step(model, args, kwargs, loss_fn, input_grads=False, count_tensors=False)  # warm-up
         fresh()
-        step = run_step(model, args, kwargs, loss_fn, input_grads=False, tensors=False)
+        step = run_step(model, args, kwargs, loss_fn, input_grads=False, count_tensors=False)
     return static_bytes(model, [list(args), kwargs]) + step.memory.peak_bytes
