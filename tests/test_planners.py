@@ -22,7 +22,7 @@ from autockpt.planners.basic import (
     uniform_plan,
 )
 from autockpt.planners.budget import min_feasible_budget
-from autockpt.planners.cost_model import predict
+from autockpt.planners.cost_model import dry_run_costs, predict
 
 
 def request(n: int) -> PlanRequest:
@@ -231,8 +231,10 @@ def test_sqrt_on_bytes_balances_saved_bytes_not_stage_counts() -> None:
     saved = [800, 800, 100, 100, 100, 100, 100, 100, 100, 100]  # two heavy stages first
     segs = sqrt_with(saved, [100] * 10)
     per_segment = [sum(saved[s.start : s.stop]) for s in segs]
-    assert len(segs[0]) == 1 and per_segment[0] == 800
-    assert max(per_segment) <= 800
+    assert len(segs[0]) == 1 and per_segment[0] == 800  # a count split would hold both heavy stages
+    costs = dry_run_costs([100] * 10, saved)
+    by_count = [0, *itertools.accumulate(balanced_sizes(10, len(segs)))]
+    assert estimated_peak([s.start for s in segs] + [10], costs) < estimated_peak(by_count, costs)
 
 
 def test_sqrt_on_bytes_starts_segments_at_the_heavy_half_of_each_block() -> None:
@@ -255,7 +257,8 @@ def test_sqrt_on_bytes_never_estimates_worse_than_the_split_at_sqrt_a_over_b(
     plain = [0, *snap_boundaries(_byte_sizes(saved, k), tuple(inputs), tuple(saved)), n]
     chosen = sqrt_with(saved, inputs)
     bounds = [s.start for s in chosen] + [n]
-    assert estimated_peak(bounds, inputs, saved) <= estimated_peak(plain, inputs, saved)
+    costs = dry_run_costs(inputs, saved)
+    assert estimated_peak(bounds, costs) <= estimated_peak(plain, costs)
 
 
 def _chain(blocks: int = 9) -> torch.nn.Sequential:

@@ -16,7 +16,8 @@ import math
 from collections.abc import Sequence
 
 from autockpt.plan import Segment
-from autockpt.planners.registry import PlanRequest, register_planner, segments_from_sizes
+from autockpt.planners.cost_model import dry_run_costs, predict
+from autockpt.planners.registry import PlanRequest, StageCost, register_planner, segments_from_sizes
 
 __all__ = [
     "balanced_sizes",
@@ -66,7 +67,9 @@ def sqrt_planner(request: PlanRequest) -> tuple[Segment, ...]:
 
     Stages cannot be split, so the continuous optimum can miss: the counts ``1..2 sqrt(A/b)``
     are all tried and the split with the least :func:`estimated_peak` wins (ties go to the
-    count nearest ``ceil(sqrt(A / b))``). O(n^1.5) with bytes, O(n) without.
+    count nearest ``ceil(sqrt(A / b))``), scored by the cost model on the dry run's bytes
+    (NOTE [One cost model] in ``planners/cost_model.py``). O(n^1.5) with bytes, O(n)
+    without.
     """
     n = request.n_stages
     sizes = balanced_sizes(n, sqrt_segment_count(n))
@@ -77,33 +80,20 @@ def sqrt_planner(request: PlanRequest) -> tuple[Segment, ...]:
         bounds = [0, *snap_boundaries(sizes, inputs), n]
         return segments_from_sizes([b - a for a, b in itertools.pairwise(bounds)], n, where="sqrt")
     best = math.ceil(math.sqrt(sum(saved) * (n - 1) / sum(inputs[1:])))
+    costs = dry_run_costs(inputs, saved)
     candidates = []
     for k in range(1, min(n, 2 * best) + 1):
         bounds = [0, *snap_boundaries(_byte_sizes(saved, k), inputs, saved), n]
-        candidates.append((estimated_peak(bounds, inputs, saved), abs(k - best), k, bounds))
+        candidates.append((estimated_peak(bounds, costs), abs(k - best), k, bounds))
     bounds = min(candidates)[3]
     return segments_from_sizes([b - a for a, b in itertools.pairwise(bounds)], n, where="sqrt")
 
 
-def estimated_peak(bounds: Sequence[int], inputs: Sequence[int], saved: Sequence[int]) -> int:
-    """Peak of a single-level plan (all but the last segment checkpointed) from dry-run bytes.
-
-    Checkpoints keep their inputs; a segment's backward holds what its stages saved again,
-    and stage ``i``'s backward is assumed to need as much again as it saved (the gradients
-    of its saved tensors), on top of what the stages before it in its segment saved. So a
-    stage that saves much is cheaper at the start of a segment than at its end.
-    """
-    peak, held = 0, 0
-    for j, (s, t) in enumerate(itertools.pairwise(bounds)):
-        last = j == len(bounds) - 2
-        if not last:
-            held += inputs[s]
-        before = sum(saved[s:t]) if last else 0
-        running = 0
-        for i in range(s, t):
-            running += saved[i]
-            peak = max(peak, held + (before if last else running) + saved[i])
-    return peak
+def estimated_peak(bounds: Sequence[int], costs: Sequence[StageCost]) -> int:
+    """Peak of the single-level plan starting segments at ``bounds`` (all but the last
+    checkpointed) under the cost model, with ``costs`` from :func:`dry_run_costs`."""
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    return predict(segments_from_sizes(sizes, bounds[-1], where="sqrt"), costs, loss_bytes=0).peak_bytes
 
 
 def _byte_sizes(saved: Sequence[int], k: int) -> list[int]:

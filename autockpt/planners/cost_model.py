@@ -47,6 +47,15 @@ the machine's noise of those (docs/design.md).
 :func:`memory_events` lists the events in the order a step runs them, each with its bytes
 and its time; :func:`predict` is their maximum and the recompute they add. The budget
 planner (:mod:`autockpt.planners.budget`) searches over plans with the same figures.
+
+NOTE [One cost model]
+    ``"sqrt"`` plans from the dry run's bytes alone (no profile: no times, workspaces or
+    gradients), and used to score its candidate splits with an estimate of its own, which
+    took the last, plain segment to hold all it saved through every stage's backward. Two
+    models of one step disagreed (the budget planner's peak and the sqrt planner's), and
+    fixing one left the other. Now the dry run's bytes become stage figures
+    (:func:`dry_run_costs`) and every plan is scored by :func:`predict`: the plain tail
+    frees each stage's saved tensors as its backward passes, as it does in a real step.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ __all__ = [
     "MemoryEvent",
     "Prediction",
     "assumed_loss_bytes",
+    "dry_run_costs",
     "keepable_ops",
     "kept_effect",
     "memory_events",
@@ -175,6 +185,30 @@ class MemoryEvent:
     segment: tuple[int, int] | None
     bytes: int
     ms: float
+
+
+def dry_run_costs(input_bytes: Sequence[int], saved_bytes: Sequence[int]) -> list[StageCost]:
+    """Per-stage figures from a dry run's bytes alone, for plans made without a profile
+    (``"sqrt"``; NOTE [One cost model]): stage ``i`` holds what it saved (its input
+    included, when it saves it), hands the next stage's input on as its output, and its
+    backward needs about as much again as it saved (the gradients of its saved tensors).
+    No times; the model's output and the loss count as nothing (``loss_bytes=0``)."""
+    n = len(input_bytes)
+    return [
+        StageCost(
+            fwd_ms=0.0,
+            bwd_ms=0.0,
+            in_bytes=input_bytes[i],
+            out_bytes=input_bytes[i + 1] if i + 1 < n else 0,
+            kept_bytes=saved_bytes[i],
+            keeps_input=False,
+            keeps_output=False,
+            fwd_peak_bytes=0,
+            bwd_peak_bytes=saved_bytes[i],
+            grad_bytes=0,
+        )
+        for i in range(n)
+    ]
 
 
 def assumed_loss_bytes(costs: Sequence[StageCost]) -> int:

@@ -34,6 +34,7 @@ from autockpt.measure.tensors import as_args
 from autockpt.plan import Plan, Segment, StageFigures, format_bytes
 from autockpt.planners import Planner, PlanRequest, available_planners, get_planner, run_planner
 from autockpt.planners.basic import estimated_peak, uniform_plan
+from autockpt.planners.cost_model import dry_run_costs
 from autockpt.planning.budget_costs import BudgetCosts, OpPolicy, budget_costs, budget_segments, policy_masks
 from autockpt.walkers import Walked, walk
 from autockpt.walkers.chain import Chain, DryRun, Unit, build_chain
@@ -282,8 +283,9 @@ def saves_little(chain: Chain, plan: Plan) -> str | None:
     inputs, saved = chain.input_bytes, chain.saved_bytes
     if inputs is None or not saved or sum(saved) <= 0 or plan.checkpointed_segments == 0:
         return None
+    costs = dry_run_costs(inputs, saved)
     bounds = [s.start for s in plan.segments] + [plan.n_stages]
-    ratio = estimated_peak(bounds, inputs, saved) / estimated_peak([0, plan.n_stages], inputs, saved)
+    ratio = estimated_peak(bounds, costs) / estimated_peak([0, plan.n_stages], costs)
     if ratio < SAVES_LITTLE:
         return None
     heavy = max(range(len(saved)), key=saved.__getitem__)
