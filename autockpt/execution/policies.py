@@ -173,18 +173,8 @@ _SEES_OUTPUTS = "op_output" in inspect.signature(SelectiveCheckpointContext.__in
 
 class SelectiveRecompute:
     """The ``context_fn`` of one checkpointed segment under a policy (NOTE [Kept outputs
-        changed in place], NOTE [Policies under torch.compile]
-        Dynamo captures a checkpoint's ``context_fn`` only as a plain function or a ``partial``
-        of constants, called afresh for each trace, and AOTAutograd then traces the segment
-        under the contexts it returns, tagging each node to save or recompute. So a compiled
-        segment gets a stateless ``partial`` (``compiled_context_fn``) making the same choices
-        as the eager ``SelectiveRecompute``: the policy's ops, or the ops a plan's
-        ``Segment.keep`` names at their positions (a position whose op differs keeps nothing:
-        safe, it is recomputed), never a random op. What the eager one learns on a first
-        forward, the outputs a later op writes into, is not needed there: the compiled graph is
-        functionalized, so no kept value is changed in place.
-
-    NOTE [Random ops are never kept])."""
+    changed in place], NOTE [Random ops are never kept]); under ``torch.compile`` the
+    segment gets :func:`compiled_context_fn` instead."""
 
     def __init__(
         self, name: str, policy: OpPolicy | None, segment: str, keep: frozenset[str] | None = None
