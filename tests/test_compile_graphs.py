@@ -189,3 +189,51 @@ def test_a_model_that_breaks_reports_only_its_own_breaks_and_trains_exactly() ->
         assert set(counters["graph_break"]) == plain_reasons
         for name, g in grads.items():
             assert torch.equal(g, plain[name]), f"{order}: {name}"
+
+
+class TwoTower(nn.Module):
+    """open_clip's ``CLIP.forward(image=None, text=None)``: wrapped without example inputs,
+    the trace of the all-``None`` call does not fit the real one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.img = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.GELU())])
+        self.txt = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.GELU())])
+
+    def forward(
+        self, image: torch.Tensor | None = None, text: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (
+            self.img(image) if image is not None else None,
+            self.txt(text) if text is not None else None,
+        )
+
+
+def test_a_call_traced_again_under_compile_breaks_once_then_compiles_whole() -> None:
+    image, text = torch.randn(8, 16), torch.randn(8, 16)
+
+    def steps(wrap: bool) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, int]]]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = TwoTower()
+        run = torch.compile(autockpt.auto_checkpoint(model) if wrap else model, backend="aot_eager")
+        seen = []
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            a, b = run(image=image, text=text)
+            (a.square().mean() + b.square().mean()).backward()
+            seen.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+                         counters["frames"]["total"]))  # fmt: skip
+        if wrap:
+            assert model.forward.plan.checkpointed_segments > 0
+        torch._dynamo.reset()
+        return {n: p.grad for n, p in model.named_parameters()}, seen
+
+    plain, _ = steps(wrap=False)
+    grads, seen = steps(wrap=True)
+    # the trace again runs outside the graph once (a break), the next call compiles the
+    # forward with the new trace (a recompile), and nothing after
+    assert seen[1] == seen[2] == seen[3] and seen[3][1] == 1, seen
+    for name, g in grads.items():
+        assert torch.equal(g, plain[name]), name

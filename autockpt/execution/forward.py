@@ -240,25 +240,14 @@ class CheckpointedForward:
                 self._retrace(program.none_args, _HOOKED)
                 program = self.walked.program
                 assert program is not None
-            try:
-                x = program.bind(args, kwargs)
-            except UnbindableError as mismatch:
-                try:  # NOTE [Optional arguments] in walkers/graph.py
-                    self._retrace(none_pattern(self.model, args, kwargs), str(mismatch))
-                    program = self.walked.program
-                    assert program is not None
-                    x = program.bind(args, kwargs)
-                except (UnbindableError, AutockptError) as err:
-                    if not self.warned_unbindable:
-                        self.warned_unbindable = True
-                        warnings.warn(
-                            f"auto_checkpoint: {type(self.model).__name__} cannot be traced for this "
-                            f"call ({err}); it runs without checkpointing. Checkpoint with "
-                            f"mode='blocks' to cover such calls.",
-                            UserWarning,
-                            stacklevel=3,
-                        )
+            bound, mismatch = program.try_bind(args, kwargs)  # no exception raised in a compiled call
+            if mismatch is not None:  # NOTE [Optional arguments] in walkers/graph.py
+                bound = self._bind_traced_again(args, kwargs, f"argument {mismatch[0]!r} {mismatch[1]}")
+                if bound is None:
                     return self._plain(*args, **kwargs)
+                program = self.walked.program
+                assert program is not None
+            x = bound
             if self.plan.checkpointed_segments == 0:  # NOTE [A trace of another call checkpoints nothing]
                 return self._plain(*args, **kwargs)
         if self.probe is None and not torch.compiler.is_compiling():  # NOTE [Planned once, compiled whole]
@@ -267,6 +256,26 @@ class CheckpointedForward:
         return out if program is None else program.result(out)
 
     @outside_compiled_graphs  # NOTE [Planned once, compiled whole]
+    def _bind_traced_again(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
+        """Trace again for this call's pattern of ``None`` arguments and bind the call; ``None``
+        (with a warning, once) when it cannot be traced: the model then runs plainly."""
+        try:
+            self._retrace(none_pattern(self.model, args, kwargs), why)
+            program = self.walked.program
+            assert program is not None
+            return program.bind(args, kwargs)
+        except (UnbindableError, AutockptError) as err:
+            if not self.warned_unbindable:
+                self.warned_unbindable = True
+                warnings.warn(
+                    f"auto_checkpoint: {type(self.model).__name__} cannot be traced for this "
+                    f"call ({err}); it runs without checkpointing. Checkpoint with "
+                    f"mode='blocks' to cover such calls.",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            return None
+
     def _retrace(self, none_args: frozenset[str], why: str) -> None:
         """Trace again (hooks were added inside a traced module, or a call's optional
         arguments differ from the trace's) and plan again; a pattern of ``None`` arguments

@@ -163,9 +163,25 @@ class GraphProgram:
     # --- running ----------------------------------------------------------------------
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Map forward arguments onto the graph's placeholders."""
+        """Map forward arguments onto the graph's placeholders.
+
+        Raises:
+            UnbindableError: the call's pattern of ``None`` arguments is not the trace's.
+        """
+        env, mismatch = self.try_bind(args, kwargs)
+        if mismatch is not None:
+            raise UnbindableError(*mismatch)
+        return env
+
+    def try_bind(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[dict[str, Any], tuple[str, str] | None]:
+        """:meth:`bind` without raising for a pattern of ``None`` arguments other than the
+        trace's: ``(values, (argument, why))`` then (an exception made inside a compiled call
+        sends dynamo back to eager for the whole frame; NOTE [Traces under torch.compile])."""
         env: dict[str, Any] = {}
         args_left = list(args)
+        mismatch: tuple[str, str] | None = None
         for slot, name in zip(self.slots, self.arg_names):
             if args_left:
                 env[slot] = args_left.pop(0)
@@ -175,16 +191,18 @@ class GraphProgram:
                 env[slot] = self.defaults[slot]
             else:
                 raise TypeError(f"{type(self.model).__name__}.forward() missing argument {name!r}")
+            if mismatch is not None:
+                continue
             if name in self.none_args:
                 if env[slot] is not None:
-                    raise UnbindableError(name, "was traced as None and is given now")
+                    mismatch = (name, "was traced as None and is given now")
             elif env[slot] is None and self.used[slot]:
-                raise UnbindableError(name, "was traced as given and is None now")
+                mismatch = (name, "was traced as given and is None now")
         if args_left:
             raise TypeError(
                 f"{type(self.model).__name__}.forward() got {len(args)} positional arguments, too many"
             )
-        return {k: v for k, v in env.items() if self.last_use[k] > 0}
+        return {k: v for k, v in env.items() if self.last_use[k] > 0}, mismatch
 
     def run(self, env: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
         """Execute nodes ``[start, stop)``; return the values still needed after ``stop``."""
