@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_graph import TwoTowers
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -191,32 +192,14 @@ def test_a_model_that_breaks_reports_only_its_own_breaks_and_trains_exactly() ->
             assert torch.equal(g, plain[name]), f"{order}: {name}"
 
 
-class TwoTower(nn.Module):
-    """open_clip's ``CLIP.forward(image=None, text=None)``: wrapped without example inputs,
-    the trace of the all-``None`` call does not fit the real one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.img = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.GELU())])
-        self.txt = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.GELU())])
-
-    def forward(
-        self, image: torch.Tensor | None = None, text: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return (
-            self.img(image) if image is not None else None,
-            self.txt(text) if text is not None else None,
-        )
-
-
 def test_a_call_traced_again_under_compile_breaks_once_then_compiles_whole() -> None:
-    image, text = torch.randn(8, 16), torch.randn(8, 16)
+    image, text = torch.randn(8, 32), torch.randn(8, 32)  # open_clip's CLIP.forward pattern
 
     def steps(wrap: bool) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, int]]]:
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(0)
-        model = TwoTower()
+        model = TwoTowers()
         run = torch.compile(autockpt.auto_checkpoint(model) if wrap else model, backend="aot_eager")
         seen = []
         for _ in range(4):
